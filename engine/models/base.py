@@ -1,0 +1,216 @@
+"""The MoE decoder shared by the llama-like families (attention + routed SwiGLU experts).
+
+A family file supplies a config dataclass (from_hf) and its flags; this module supplies the
+tensor spec and the forward pass, written against backend ops only: no files, no threads.
+Legend: T = tokens, H = hidden, D = head dim, Hq / Hkv = heads, E = experts, K = top-k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.models.rope import ConfigError, RopeConfig
+from engine.names import expert_names, name
+
+
+def need(cfg: dict, *keys):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    raise ConfigError(f"config.json: missing field {' / '.join(keys)}")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """What a llama-like MoE decoder needs; family files build it in from_hf()."""
+
+    family: str
+    vocab_size: int
+    hidden: int                     # H
+    n_layers: int
+    n_heads: int                    # Hq
+    n_kv_heads: int                 # Hkv
+    head_dim: int                   # D
+    n_experts: int                  # E
+    top_k: int                      # K
+    moe_intermediate: int           # I of each routed expert
+    norm_topk_prob: bool            # renormalize the top-k routing weights to sum 1
+    rms_eps: float
+    rope: RopeConfig
+    tie_embeddings: bool
+    max_position: int
+    dense_intermediate: int = 0     # I of dense MLP layers (layers not in moe_layers)
+    qk_norm: str = "none"           # none | head (RMSNorm per head, D) | full (over all heads)
+    clip_qkv: float = 0.0           # clamp q, k, v to +-clip_qkv after projection (0 = off)
+    attention_bias: bool = False
+    sliding_window: int = 0         # 0 = full causal attention
+    moe_layers: tuple = ()          # indices of layers with routed experts
+    eos_token_ids: tuple = ()
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @staticmethod
+    def common_hf(cfg: dict) -> dict:
+        """Fields every llama-like family reads the same way."""
+        hidden = int(need(cfg, "hidden_size"))
+        n_heads = int(need(cfg, "num_attention_heads"))
+        head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+        n_experts = int(need(cfg, "num_experts", "num_local_experts"))
+        top_k = int(need(cfg, "num_experts_per_tok"))
+        if not 1 <= top_k <= n_experts:
+            raise ConfigError(f"config.json: num_experts_per_tok={top_k} must be in 1..{n_experts}")
+        n_heads_kv = int(cfg.get("num_key_value_heads") or n_heads)
+        if n_heads % n_heads_kv:
+            raise ConfigError(f"config.json: num_attention_heads={n_heads} is not a multiple of "
+                              f"num_key_value_heads={n_heads_kv}")
+        eos = cfg.get("eos_token_id")
+        n_layers = int(need(cfg, "num_hidden_layers"))
+        return dict(
+            family=cfg["model_type"], vocab_size=int(need(cfg, "vocab_size")), hidden=hidden,
+            n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads_kv, head_dim=head_dim,
+            n_experts=n_experts, top_k=top_k, rms_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            rope=RopeConfig.from_hf(cfg, head_dim),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position=int(cfg.get("max_position_embeddings") or 4096),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            moe_layers=tuple(range(n_layers)),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            raw=cfg)
+
+
+# ---- tensor spec ---------------------------------------------------------------------------
+
+def dense_spec(c: MoeConfig) -> dict[str, tuple]:
+    """Every non-expert tensor the model reads, with its shape: the completeness contract."""
+    f, h = c.family, c.hidden
+    spec = {name(f, "embed"): (c.vocab_size, h), name(f, "final_norm"): (h,)}
+    if not c.tie_embeddings:
+        spec[name(f, "lm_head")] = (c.vocab_size, h)
+    for l in range(c.n_layers):
+        spec[name(f, "attn_norm", l)] = (h,)
+        spec[name(f, "mlp_norm", l)] = (h,)
+        spec[name(f, "q", l)] = (c.q_dim, h)
+        spec[name(f, "k", l)] = (c.kv_dim, h)
+        spec[name(f, "v", l)] = (c.kv_dim, h)
+        spec[name(f, "o", l)] = (h, c.q_dim)
+        if c.attention_bias:
+            spec[name(f, "q_bias", l)] = (c.q_dim,)
+            spec[name(f, "k_bias", l)] = (c.kv_dim,)
+            spec[name(f, "v_bias", l)] = (c.kv_dim,)
+        if c.qk_norm == "head":
+            spec[name(f, "q_norm", l)] = (c.head_dim,)
+            spec[name(f, "k_norm", l)] = (c.head_dim,)
+        elif c.qk_norm == "full":
+            spec[name(f, "q_norm", l)] = (c.q_dim,)
+            spec[name(f, "k_norm", l)] = (c.kv_dim,)
+        if l in c.moe_layers:
+            spec[name(f, "router", l)] = (c.n_experts, h)
+        else:
+            spec[name(f, "mlp_gate", l)] = (c.dense_intermediate, h)
+            spec[name(f, "mlp_up", l)] = (c.dense_intermediate, h)
+            spec[name(f, "mlp_down", l)] = (h, c.dense_intermediate)
+    return spec
+
+
+def expert_spec(c: MoeConfig) -> dict[str, tuple]:
+    spec = {}
+    i, h = c.moe_intermediate, c.hidden
+    for l in c.moe_layers:
+        for e in range(c.n_experts):
+            g, u, d = expert_names(c.family, l, e)
+            spec[g], spec[u], spec[d] = (i, h), (i, h), (h, i)
+    return spec
+
+
+# ---- run state and forward -----------------------------------------------------------------
+
+class RunState:
+    """Preallocated per-sequence state: the KV cache. k, v: [L, S_max, Hkv, D] float32."""
+
+    def __init__(self, ops, c: MoeConfig, max_context: int):
+        self.max_context = max_context
+        self.k = ops.zeros((c.n_layers, max_context, c.n_kv_heads, c.head_dim))
+        self.v = ops.zeros((c.n_layers, max_context, c.n_kv_heads, c.head_dim))
+        self.pos = 0   # positions filled so far
+
+
+class MoeDecoder:
+    """Forward pass over backend ops. `weights(key, layer)` gives dense weights as the backend
+    holds them; `experts.fetch(layer, ids)` gives routed experts' weights (the engine resolves
+    them across memory tiers); `on_route(layer, ids)` observes routing (traces, profiles)."""
+
+    def __init__(self, c: MoeConfig, ops, weights, experts, on_route=None):
+        self.c, self.ops, self.w, self.experts = c, ops, weights, experts
+        self.on_route = on_route
+        self.inv_freq = c.rope.inv_freq()
+
+    def new_state(self, max_context: int) -> RunState:
+        return RunState(self.ops, self.c, max_context)
+
+    def forward(self, ids: np.ndarray, st: RunState, all_logits: bool = False):
+        """ids int [T] at positions st.pos.. -> logits [T, V] (all_logits) or [1, V] (last)."""
+        c, ops, w = self.c, self.ops, self.w
+        t = len(ids)
+        if st.pos + t > st.max_context:
+            raise ValueError(f"context full: {st.pos} + {t} tokens exceed the {st.max_context}-token "
+                             "context (raise --max-context)")
+        pos = np.arange(st.pos, st.pos + t, dtype=np.int32)
+        x = ops.embed(w("embed"), ids)                                    # [T, H]
+        for l in range(c.n_layers):
+            h = ops.rmsnorm(x, w("attn_norm", l), c.rms_eps)
+            ops.add_(x, self.attention(l, h, pos, st))
+            h = ops.rmsnorm(x, w("mlp_norm", l), c.rms_eps)
+            ops.add_(x, self.moe(l, h) if l in c.moe_layers else self.dense_mlp(l, h))
+        st.pos += t
+        if not all_logits:
+            x = x[t - 1:]
+        x = ops.rmsnorm(x, w("final_norm"), c.rms_eps)
+        return ops.linear(x, w("embed") if c.tie_embeddings else w("lm_head"))
+
+    def attention(self, l: int, h, pos: np.ndarray, st: RunState):
+        c, ops, w = self.c, self.ops, self.w
+        t = h.shape[0]
+        q, k, v = ops.linear(h, w("q", l)), ops.linear(h, w("k", l)), ops.linear(h, w("v", l))
+        if c.attention_bias:
+            ops.add_(q, w("q_bias", l))
+            ops.add_(k, w("k_bias", l))
+            ops.add_(v, w("v_bias", l))
+        if c.qk_norm == "full":
+            q, k = ops.rmsnorm(q, w("q_norm", l), c.rms_eps), ops.rmsnorm(k, w("k_norm", l), c.rms_eps)
+        if c.clip_qkv:
+            for a in (q, k, v):
+                ops.clip_(a, c.clip_qkv)
+        q = q.reshape(t, c.n_heads, c.head_dim)                           # [T, Hq, D]
+        k = k.reshape(t, c.n_kv_heads, c.head_dim)                        # [T, Hkv, D]
+        v = v.reshape(t, c.n_kv_heads, c.head_dim)
+        if c.qk_norm == "head":
+            q, k = ops.rmsnorm(q, w("q_norm", l), c.rms_eps), ops.rmsnorm(k, w("k_norm", l), c.rms_eps)
+        ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
+        ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
+        ops.kv_store(st.k[l], st.v[l], int(pos[0]), k, v)
+        a = ops.attention(q, st.k[l], st.v[l], pos, c.head_dim ** -0.5, c.sliding_window)
+        return ops.linear(a.reshape(t, c.q_dim), w("o", l))
+
+    def dense_mlp(self, l: int, h):
+        return self.ops.expert(h, (self.w("mlp_gate", l), self.w("mlp_up", l), self.w("mlp_down", l)))
+
+    def moe(self, l: int, h):
+        """Routed experts: each expert runs once over all the tokens routed to it."""
+        c, ops = self.c, self.ops
+        ids, rw = ops.router(ops.linear(h, self.w("router", l)), c.top_k, c.norm_topk_prob)
+        if self.on_route is not None:
+            self.on_route(l, ids)
+        uniq = np.unique(ids)
+        out = ops.zeros(h.shape)
+        for e, we in zip(uniq, self.experts.fetch(l, uniq)):
+            t_idx, k_idx = np.nonzero(ids == e)
+            ops.scatter_add_rows(out, t_idx, ops.expert(ops.take_rows(h, t_idx), we), rw[t_idx, k_idx])
+        return out

@@ -1,0 +1,80 @@
+"""RoPE parameters from config.json and their inverse frequencies (default, linear, yarn)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """config.json is missing a field or holds a value the engine cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rotary_dim: int                 # dims of each head that rotate (partial rotary < head_dim)
+    kind: str = "default"           # default | linear | yarn
+    factor: float = 1.0
+    original_max_position: int = 0  # yarn: the pretraining context
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0   # yarn: scales cos and sin
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, cfg: dict, head_dim: int) -> "RopeConfig":
+        # newer configs nest everything in rope_parameters; older ones use rope_theta + rope_scaling
+        params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if kind not in ("default", "linear", "yarn"):
+            raise ConfigError(f"config.json: rope type {kind!r} is not supported; "
+                              "supported: default, linear, yarn")
+        factor = float(params.get("factor") or 1.0)
+        orig = int(cfg.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 0))
+        att = params.get("attention_factor")
+        if kind == "yarn":
+            if params.get("factor") is None:
+                factor = cfg["max_position_embeddings"] / orig
+            mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+
+            def get_mscale(scale, m=1.0):
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            if att is None:
+                att = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+                       if mscale and mscale_all else get_mscale(factor))
+        return cls(theta=theta, rotary_dim=int(head_dim * partial), kind=kind, factor=factor,
+                   original_max_position=orig,
+                   beta_fast=float(params.get("beta_fast") or 32.0),
+                   beta_slow=float(params.get("beta_slow") or 1.0),
+                   attention_factor=float(att) if att is not None else 1.0,
+                   truncate=bool(params.get("truncate", True)))
+
+    def inv_freq(self) -> np.ndarray:
+        """float32 [rotary_dim / 2], computed in float32 as the reference does."""
+        dim = self.rotary_dim
+        pos_freqs = np.float32(self.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+        inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
+        if self.kind == "linear":
+            return (inv / np.float32(self.factor)).astype(np.float32)
+        if self.kind == "yarn":
+            def corr_dim(rot):
+                return (dim * math.log(self.original_max_position / (rot * 2 * math.pi))) / (
+                    2 * math.log(self.theta))
+            low, high = corr_dim(self.beta_fast), corr_dim(self.beta_slow)
+            if self.truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
+            if low == high:
+                high += 0.001
+            ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+            extra = (1 - ramp).astype(np.float32)
+            interp = (np.float32(1.0) / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
+            return (interp * (1 - extra) + inv * extra).astype(np.float32)
+        return inv

@@ -1,0 +1,185 @@
+"""The engine object under the CLI and the server: load a model folder, prefill, decode, sample.
+
+    import engine
+    m = engine.load("path/or/org-name", device="cpu")
+    m.generate("def ", max_new_tokens=32).text
+    m.logits([1, 2, 3])          # [T, V] float32, every position
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from engine.models import family_of
+from engine.models.base import dense_spec, expert_spec
+from engine.names import expert_names, name
+from engine.tokenizer import StreamDecoder, load_tokenizer
+from loader.checkpoint import Checkpoint
+
+
+@dataclass
+class GenerationParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0        # 0 = greedy
+    top_k: int = 0                  # 0 = no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: tuple | None = None   # None = the model's EOS ids
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list
+    output_ids: list
+    text: str
+    finish_reason: str              # "stop" (an EOS id) or "length"
+    stats: dict = field(default_factory=dict)
+
+
+class CheckpointExperts:
+    """Routed experts read straight from the checkpoint's safetensors (memory-mapped)."""
+
+    def __init__(self, ck: Checkpoint, family: str, ops):
+        self.ck, self.family, self.ops = ck, family, ops
+        self.fetched = 0
+
+    def fetch(self, layer: int, ids) -> list:
+        self.fetched += len(ids)
+        return [tuple(self.ops.weight(self.ck.get(n)) for n in expert_names(self.family, layer, int(e)))
+                for e in ids]
+
+    def stats(self) -> dict:
+        return {"source": "checkpoint", "experts_fetched": self.fetched}
+
+
+def pick_device(device: str) -> str:
+    """auto -> cuda when a GPU works, cpu otherwise (saying which on stderr)."""
+    if device == "cpu":
+        return "cpu"
+    reason = "the CUDA backend is not built into this version's decode path yet"
+    try:
+        from numba import cuda
+        if not cuda.is_available():
+            reason = "no working CUDA GPU found"
+    except Exception as e:  # numba-cuda missing or broken driver: say why, run on the CPU
+        reason = f"CUDA unavailable ({type(e).__name__}: {e})"
+    if device == "cuda":
+        raise RuntimeError(f"--device cuda: {reason}")
+    print(f"device auto: using cpu ({reason})", file=sys.stderr)
+    return "cpu"
+
+
+class Engine:
+    def __init__(self, model: str | os.PathLike, device: str = "auto", max_context: int | None = None,
+                 on_route: Callable | None = None):
+        self.device = pick_device(device)
+        from kernels_numba.cpu import CpuOps
+        self.ops = ops = CpuOps()
+        ck = self.checkpoint = Checkpoint(model)
+        self.dir: Path = ck.dir
+        self.config, model_cls = family_of(ck.config)
+        c = self.config
+        consumed = ck.require(dense_spec(c)) | ck.require(expert_spec(c))
+        self.consumed = consumed
+        self.tokenizer = load_tokenizer(ck.dir, ck.tokenizer_path())
+        self._dense = {}
+        for n in dense_spec(c):
+            self._dense[n] = ops.weight(ck.get(n))
+        self.experts = CheckpointExperts(ck, c.family, ops)
+        self.model = model_cls(c, ops, self._weight, self.experts, on_route)
+        gen = ck.json_file("generation_config.json")
+        eos = gen.get("eos_token_id", None)
+        if eos is None:
+            self.eos_ids = tuple(c.eos_token_ids)
+        else:
+            self.eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+        self.generation_defaults = gen
+        self.max_context = int(max_context or min(c.max_position, 4096))
+        self.state = None
+
+    def _weight(self, key: str, layer: int | None = None):
+        return self._dense[name(self.config.family, key, layer)]
+
+    # ---- plain forward ------------------------------------------------------------------------
+
+    def logits(self, ids) -> np.ndarray:
+        """Logits at every position of ids, from an empty context: float32 [T, V]."""
+        ids = np.asarray(ids, dtype=np.int64)
+        st = self.model.new_state(max(len(ids), 1))
+        return np.asarray(self.model.forward(ids, st, all_logits=True))
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def stream(self, prompt_ids, params: GenerationParams, stats: dict | None = None) -> Iterator[int]:
+        """Yields generated ids one at a time; fills stats (if given) as it goes."""
+        prompt_ids = [int(i) for i in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        bad = [i for i in prompt_ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        budget = self.max_context - len(prompt_ids)
+        if budget < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the "
+                             f"{self.max_context}-token context")
+        n_new = min(params.max_new_tokens, budget)
+        stop = set(self.eos_ids if params.stop_ids is None else params.stop_ids)
+        rng = np.random.default_rng(params.seed)
+        stats = {} if stats is None else stats
+        st = self.state = self.model.new_state(len(prompt_ids) + n_new)
+        t0 = time.perf_counter()
+        logits = self.model.forward(np.asarray(prompt_ids, dtype=np.int64), st)
+        t1 = time.perf_counter()
+        stats.update(prefill_tokens=len(prompt_ids), prefill_s=t1 - t0,
+                     prefill_tok_s=len(prompt_ids) / max(t1 - t0, 1e-9), decode_tokens=0, decode_s=0.0)
+        stats["finish_reason"] = "length"
+        for i in range(n_new):
+            tid = self.ops.sample(np.asarray(logits[-1]), params.temperature, params.top_k,
+                                  params.top_p, rng.random())
+            yield tid
+            if tid in stop:
+                stats["finish_reason"] = "stop"
+                break
+            if i == n_new - 1:
+                break
+            ts = time.perf_counter()
+            logits = self.model.forward(np.asarray([tid], dtype=np.int64), st)
+            stats["decode_s"] += time.perf_counter() - ts
+            stats["decode_tokens"] += 1
+        stats["decode_tok_s"] = stats["decode_tokens"] / max(stats["decode_s"], 1e-9)
+        stats["experts"] = self.experts.stats()
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, on_text: Callable | None = None,
+                 chat: bool = False) -> GenerationResult:
+        """prompt: text, or a list of token ids. on_text receives text pieces as they decode."""
+        ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(i) for i in prompt]
+        params = GenerationParams(max_new_tokens, temperature, top_k, top_p, seed)
+        stats: dict = {}
+        out = []
+        dec = StreamDecoder(self.tokenizer)
+        for tid in self.stream(ids, params, stats):
+            out.append(tid)
+            piece = dec.push(tid)
+            if on_text and piece:
+                on_text(piece)
+        tail = dec.flush()
+        if on_text and tail:
+            on_text(tail)
+        return GenerationResult(ids, out, self.tokenizer.decode(out), stats.pop("finish_reason"), stats)
+
+
+def load(model: str | os.PathLike, device: str = "auto", **kw) -> Engine:
+    return Engine(model, device=device, **kw)

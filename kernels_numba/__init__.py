@@ -1,0 +1,1 @@
+"""The math: CPU (numba njit) and CUDA (numba.cuda) kernels, each with a numpy oracle."""

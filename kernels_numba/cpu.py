@@ -1,0 +1,413 @@
+"""The CPU backend: numba @njit kernels and the op set model code calls.
+
+Legend: T = tokens, H = hidden, D = head dim, Hq / Hkv = query / key-value heads, S = cached
+positions, E = experts, K = top-k, I = expert intermediate, V = vocab, N = output rows.
+Weights are float32 or bfloat16 bits (uint16); activations are float32.
+Expert blocks are uint8 arrays laid out as loader/layout.py documents; kernels get the layout
+as an int64 array [gate_q, gate_s, up_q, up_s, down_q, down_s, H, I, Hp, Ip].
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+# ---- number formats --------------------------------------------------------------------------
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+
+
+def _e4m3_table() -> np.ndarray:
+    b = np.arange(256, dtype=np.int32)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    val = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1.0 + man / 8.0) * 2.0 ** (exp - 7.0))
+    val = np.where((exp == 0xF) & (man == 0x7), np.nan, val)
+    return (np.where(b & 0x80, -val, val)).astype(np.float32)
+
+
+E4M3 = _e4m3_table()
+
+
+@njit(inline="always")
+def _bf16(bits):
+    # bfloat16 bits -> float32: the high half of an IEEE float32
+    return np.uint32(bits) << np.uint32(16)
+
+
+@njit(cache=True)
+def bf16_to_f32_array(bits):
+    out = np.empty(bits.shape, dtype=np.float32)
+    ob = out.reshape(-1).view(np.uint32)
+    ib = bits.reshape(-1)
+    for i in range(ib.shape[0]):
+        ob[i] = np.uint32(ib[i]) << np.uint32(16)
+    return out
+
+
+# ---- dense kernels ---------------------------------------------------------------------------
+
+@njit(parallel=True, cache=True, fastmath=False)
+def matvec_f32(w, x, out):
+    """w [N, K] f32, x [K] f32 -> out [N]."""
+    n, k = w.shape
+    for i in prange(n):
+        acc = np.float32(0.0)
+        for j in range(k):
+            acc += w[i, j] * x[j]
+        out[i] = acc
+
+
+@njit(parallel=True, cache=True)
+def matvec_bf16(w, x, out):
+    """w [N, K] uint16 (bf16 bits), x [K] f32 -> out [N]."""
+    n, k = w.shape
+    for i in prange(n):
+        acc = np.float32(0.0)
+        row = w[i]
+        for j in range(k):
+            acc += np.uint32(np.uint32(row[j]) << np.uint32(16)).view(np.float32) * x[j]
+        out[i] = acc
+
+
+@njit(parallel=True, cache=True)
+def gemm_bf16(x, w, out):
+    """x [T, K] f32, w [N, K] uint16 (bf16 bits) -> out [T, N]; one pass over each weight row."""
+    t, k = x.shape
+    n = w.shape[0]
+    for i in prange(n):
+        row = np.empty(k, dtype=np.float32)
+        for j in range(k):
+            row[j] = np.uint32(np.uint32(w[i, j]) << np.uint32(16)).view(np.float32)
+        for tt in range(t):
+            acc = np.float32(0.0)
+            for j in range(k):
+                acc += row[j] * x[tt, j]
+            out[tt, i] = acc
+
+
+@njit(parallel=True, cache=True)
+def rmsnorm_rows(x, w, eps, out):
+    """x [R, N] f32, w [N] f32 -> out [R, N]: each row normalized (rows = tokens or heads)."""
+    r, n = x.shape
+    for i in prange(r):
+        ss = 0.0
+        for j in range(n):
+            ss += np.float64(x[i, j]) * x[i, j]
+        inv = np.float32(1.0 / math.sqrt(ss / n + eps))
+        for j in range(n):
+            out[i, j] = w[j] * (x[i, j] * inv)
+
+
+@njit(parallel=True, cache=True)
+def rope_inplace(x, positions, inv_freq, scaling):
+    """x [T, nH, D] f32 rotated in place (rotate-half) on its first 2*len(inv_freq) dims."""
+    t, nh, d = x.shape
+    r2 = inv_freq.shape[0]
+    for ti in prange(t):
+        p = np.float32(positions[ti])
+        for f in range(r2):
+            ang = p * inv_freq[f]
+            c = np.float32(math.cos(ang)) * np.float32(scaling)
+            s = np.float32(math.sin(ang)) * np.float32(scaling)
+            for h in range(nh):
+                a = x[ti, h, f]
+                b = x[ti, h, f + r2]
+                x[ti, h, f] = a * c - b * s
+                x[ti, h, f + r2] = b * c + a * s
+
+
+@njit(parallel=True, cache=True)
+def attention_gqa(q, kc, vc, q_pos, scale, window, out):
+    """Causal GQA over a KV cache.
+
+    q [T, Hq, D]; kc, vc [S_max, Hkv, D] (row j = position j); q_pos int [T];
+    key j is seen when j <= q_pos[t] and (window == 0 or q_pos[t] - j < window) -> out [T, Hq, D].
+    """
+    t, hq, d = q.shape
+    hkv = kc.shape[1]
+    group = hq // hkv
+    for idx in prange(t * hq):
+        ti = idx // hq
+        h = idx % hq
+        kv = h // group
+        p = q_pos[ti]
+        lo = 0
+        if window > 0:
+            lo = max(0, p - window + 1)
+        n = p + 1 - lo
+        sc = np.empty(n, dtype=np.float32)
+        m = -np.inf
+        for j in range(n):
+            acc = np.float32(0.0)
+            for e in range(d):
+                acc += q[ti, h, e] * kc[lo + j, kv, e]
+            acc *= scale
+            sc[j] = acc
+            if acc > m:
+                m = acc
+        tot = np.float32(0.0)
+        for j in range(n):
+            sc[j] = math.exp(sc[j] - m)
+            tot += sc[j]
+        for e in range(d):
+            out[ti, h, e] = 0.0
+        for j in range(n):
+            pj = sc[j] / tot
+            for e in range(d):
+                out[ti, h, e] += pj * vc[lo + j, kv, e]
+
+
+@njit(cache=True)
+def router_topk(logits, k, norm, ids, weights):
+    """logits [T, E] f32 -> ids int32 [T, K], weights f32 [T, K].
+
+    softmax in float32 over all experts, the k largest (lower index first on ties),
+    renormalized when norm.
+    """
+    t, e = logits.shape
+    for ti in range(t):
+        m = logits[ti, 0]
+        for j in range(e):
+            if logits[ti, j] > m:
+                m = logits[ti, j]
+        p = np.empty(e, dtype=np.float32)
+        tot = np.float32(0.0)
+        for j in range(e):
+            p[j] = math.exp(logits[ti, j] - m)
+            tot += p[j]
+        for j in range(e):
+            p[j] /= tot
+        taken = np.zeros(e, dtype=np.bool_)
+        s = np.float32(0.0)
+        for kk in range(k):
+            best = -1
+            for j in range(e):
+                if not taken[j] and (best < 0 or p[j] > p[best]):
+                    best = j
+            taken[best] = True
+            ids[ti, kk] = best
+            weights[ti, kk] = p[best]
+            s += p[best]
+        if norm:
+            for kk in range(k):
+                weights[ti, kk] /= s
+
+
+# ---- expert kernels (quantized blocks) -------------------------------------------------------
+
+@njit(inline="always")
+def _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, e2m1, e4m3):
+    """dot(row r of an NVFP4 matrix, x[:k]); row stride kp/2 bytes, kp/16 scales."""
+    qrow = q_off + r * (kp // 2)
+    srow = s_off + r * (kp // 16)
+    acc = np.float32(0.0)
+    for g in range(kp // 16):
+        sc = e4m3[block[srow + g]]
+        part = np.float32(0.0)
+        base = g * 16
+        for b in range(8):
+            j = base + 2 * b
+            byte = block[qrow + j // 2]
+            if j < k:
+                part += e2m1[byte & 0xF] * x[j]
+            if j + 1 < k:
+                part += e2m1[byte >> 4] * x[j + 1]
+        acc += part * sc
+    return acc * gscale
+
+
+@njit(inline="always")
+def _rows_fp8(block, q_off, s_off, r, k, x, e4m3):
+    qrow = q_off + r * k
+    acc = np.float32(0.0)
+    for j in range(k):
+        acc += e4m3[block[qrow + j]] * x[j]
+    return acc * block[s_off + 4 * r:s_off + 4 * r + 4].view(np.float32)[0]
+
+
+@njit(inline="always")
+def _rows_bf16(block, q_off, r, k, x):
+    qrow = q_off + 2 * r * k
+    acc = np.float32(0.0)
+    for j in range(k):
+        bits = np.uint32(block[qrow + 2 * j]) | (np.uint32(block[qrow + 2 * j + 1]) << np.uint32(8))
+        acc += np.uint32(bits << np.uint32(16)).view(np.float32) * x[j]
+    return acc
+
+
+@njit(inline="always")
+def _row_dot(fmt, block, q_off, s_off, gscale, r, k, kp, x, e2m1, e4m3):
+    if fmt == 2:
+        return _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, e2m1, e4m3)
+    if fmt == 1:
+        return _rows_fp8(block, q_off, s_off, r, k, x, e4m3)
+    return _rows_bf16(block, q_off, r, k, x)
+
+
+@njit(parallel=True, cache=True)
+def expert_block_swiglu(fmt, block, lay, x, out, e2m1, e4m3):
+    """One expert from its block over tokens: x [T, H] f32 -> out [T, H] f32.
+
+    fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc).
+    """
+    h, i_dim, hp, ip = lay[6], lay[7], lay[8], lay[9]
+    gs = block[0:12].view(np.float32)
+    t = x.shape[0]
+    act = np.empty((t, i_dim), dtype=np.float32)
+    for idx in prange(i_dim):
+        for ti in range(t):
+            g = _row_dot(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, x[ti], e2m1, e4m3)
+            u = _row_dot(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, x[ti], e2m1, e4m3)
+            act[ti, idx] = g / (np.float32(1.0) + math.exp(-g)) * u
+    for r in prange(h):
+        for ti in range(t):
+            out[ti, r] = _row_dot(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, act[ti], e2m1, e4m3)
+
+
+# ---- sampling --------------------------------------------------------------------------------
+
+@njit(cache=True)
+def sample_logits(logits, temperature, top_k, top_p, u):
+    """logits [V] f32 -> token id. temperature <= 0 is greedy; u in [0, 1) drives the draw.
+
+    Same distribution as reference.sample_probs, drawn by inverse CDF in probability order.
+    """
+    v = logits.shape[0]
+    if temperature <= 0.0:
+        best = 0
+        for j in range(v):
+            if logits[j] > logits[best]:
+                best = j
+        return best
+    order = np.argsort(-logits, kind="mergesort")
+    n = v if top_k <= 0 else min(top_k, v)
+    m = logits[order[0]]
+    p = np.empty(n, dtype=np.float64)
+    tot = 0.0
+    for i in range(n):
+        p[i] = math.exp((np.float64(logits[order[i]]) - m) / temperature)
+        tot += p[i]
+    if top_p < 1.0:
+        c = 0.0
+        cut = n
+        for i in range(n):
+            c += p[i] / tot
+            if c >= top_p:
+                cut = i + 1
+                break
+        n = cut
+        tot = 0.0
+        for i in range(n):
+            tot += p[i]
+    target = u * tot
+    c = 0.0
+    for i in range(n):
+        c += p[i]
+        if c > target:
+            return order[i]
+    return order[n - 1]
+
+
+# ---- the op set ------------------------------------------------------------------------------
+
+FMT_CODE = {"bf16": 0, "fp8": 1, "nvfp4": 2}
+
+
+class CpuOps:
+    """The CPU backend's ops over numpy arrays. Model code calls these, never the kernels."""
+
+    name = "cpu"
+
+    def weight(self, a: np.ndarray) -> np.ndarray:
+        """A dense weight as the backend keeps it: float32, or bf16 bits for matrices."""
+        if a.dtype == np.uint16 and a.ndim == 1:
+            return bf16_to_f32_array(np.ascontiguousarray(a))
+        if a.dtype == np.uint16:
+            return np.ascontiguousarray(a)
+        return np.ascontiguousarray(a, dtype=np.float32)
+
+    def zeros(self, shape) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float32)
+
+    def add_(self, x: np.ndarray, y: np.ndarray) -> None:
+        """x += y (y broadcast over leading axes)."""
+        x += y
+
+    def clip_(self, x: np.ndarray, limit: float) -> None:
+        np.clip(x, -limit, limit, out=x)
+
+    def kv_store(self, kc, vc, start: int, k, v) -> None:
+        """Write k, v [T, Hkv, D] into cache rows start..start+T-1."""
+        kc[start:start + k.shape[0]] = k
+        vc[start:start + v.shape[0]] = v
+
+    def take_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x[rows])
+
+    def scatter_add_rows(self, out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.ndarray):
+        """out[rows[i]] += scale[i] * y[i]; rows are distinct (each token routes to an expert once)."""
+        out[rows] += y * scale[:, None]
+
+    def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        rows = table[ids]
+        return bf16_to_f32_array(rows) if rows.dtype == np.uint16 else rows.astype(np.float32)
+
+    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """x [T, K] f32, w [N, K] -> [T, N] f32."""
+        t = x.shape[0]
+        out = np.empty((t, w.shape[0]), dtype=np.float32)
+        if w.dtype == np.uint16:
+            if t == 1:
+                matvec_bf16(w, x[0], out[0])
+            else:
+                gemm_bf16(np.ascontiguousarray(x), w, out)
+        elif t == 1:
+            matvec_f32(w, x[0], out[0])
+        else:
+            np.matmul(x, w.T, out=out)
+        return out
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """Normalizes the last axis of x (any leading shape)."""
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        out = np.empty_like(flat)
+        rmsnorm_rows(flat, w, eps, out)
+        return out.reshape(x.shape)
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, scaling: float):
+        rope_inplace(x, positions, inv_freq, scaling)
+        return x
+
+    def attention(self, q, kc, vc, q_pos, scale, window=0):
+        out = np.empty(q.shape, dtype=np.float32)
+        attention_gqa(q, kc, vc, q_pos, np.float32(scale), window, out)
+        return out
+
+    def router(self, logits: np.ndarray, k: int, norm: bool):
+        t = logits.shape[0]
+        ids = np.empty((t, k), dtype=np.int32)
+        w = np.empty((t, k), dtype=np.float32)
+        router_topk(np.ascontiguousarray(logits, dtype=np.float32), k, norm, ids, w)
+        return ids, w
+
+    def expert(self, x: np.ndarray, weights) -> np.ndarray:
+        """One SwiGLU expert over its tokens: x [n, H] -> [n, H].
+
+        weights is (gate, up, down) dense arrays, or (fmt, block uint8, layout int64 [10]).
+        """
+        if len(weights) == 3 and isinstance(weights[0], str):
+            fmt, block, lay = weights
+            out = np.empty(x.shape, dtype=np.float32)
+            expert_block_swiglu(FMT_CODE[fmt], block, lay, np.ascontiguousarray(x), out, E2M1, E4M3)
+            return out
+        gate, up, down = weights
+        g = self.linear(x, gate)
+        u = self.linear(x, up)
+        a = g / (1.0 + np.exp(-g)) * u
+        return self.linear(a.astype(np.float32), down)
+
+    def sample(self, logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
+        return int(sample_logits(np.ascontiguousarray(logits, dtype=np.float32),
+                                 float(temperature), int(top_k), float(top_p), float(u)))

@@ -1,0 +1,180 @@
+"""numpy oracles: the plain, obviously-right version of every op the backends implement.
+
+Tests compare each CPU and CUDA kernel against these on fresh random inputs. Everything here
+computes in float64 unless noted and returns float32 where the kernels do.
+Legend: T = tokens, H = hidden, D = head dim, Hq / Hkv = query / key-value heads,
+S = cached sequence length, E = experts, K = top-k, I = expert intermediate, V = vocab.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# ---- number formats ------------------------------------------------------------------------
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bits -> float32 (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def e4m3_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint8 FP8 E4M3 (FN: no infinities, 0x7f / 0xff are NaN) -> float32."""
+    b = bits.astype(np.int32)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp = (b >> 3) & 0xF
+    man = b & 0x7
+    val = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1.0 + man / 8.0) * 2.0 ** (exp - 7.0))
+    val = np.where((exp == 0xF) & (man == 0x7), np.nan, val)
+    return (sign * val).astype(np.float32)
+
+
+def nvfp4_dequant(q: np.ndarray, s: np.ndarray, global_scale: float, k: int) -> np.ndarray:
+    """q uint8 [R, Kp/2], s uint8 [R, Kp/16] -> float32 [R, k]."""
+    lo = E2M1_VALUES[q & 0xF]
+    hi = E2M1_VALUES[q >> 4]
+    vals = np.empty((q.shape[0], q.shape[1] * 2), dtype=np.float64)
+    vals[:, 0::2] = lo
+    vals[:, 1::2] = hi
+    scales = np.repeat(e4m3_to_f32(s).astype(np.float64), 16, axis=1)
+    return (vals * scales * float(global_scale))[:, :k].astype(np.float32)
+
+
+def fp8_dequant(q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """q uint8 [R, K] E4M3, s float32 [R] -> float32 [R, K]."""
+    return (e4m3_to_f32(q).astype(np.float64) * s.astype(np.float64)[:, None]).astype(np.float32)
+
+
+# ---- dense ops -----------------------------------------------------------------------------
+
+def embed(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """ids int [T], table [V, H] -> [T, H] float32."""
+    return table[ids].astype(np.float32)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., N], w [N] -> [..., N]; normalizes the last axis (per head for q/k norm)."""
+    x64 = x.astype(np.float64)
+    r = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (x64 * r * w.astype(np.float64)).astype(np.float32)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+         attention_scaling: float = 1.0) -> np.ndarray:
+    """Rotate-half RoPE on the first 2*len(inv_freq) dims of each head.
+
+    x [T, nH, D], positions int [T], inv_freq [R/2] -> [T, nH, D]; dims past R pass unchanged.
+    """
+    r2 = inv_freq.shape[0]
+    ang = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]  # [T, R/2]
+    cos = (np.cos(ang) * attention_scaling)[:, None, :]
+    sin = (np.sin(ang) * attention_scaling)[:, None, :]
+    x64 = x.astype(np.float64)
+    out = x64.copy()
+    x1, x2 = x64[..., :r2], x64[..., r2:2 * r2]
+    out[..., :r2] = x1 * cos - x2 * sin
+    out[..., r2:2 * r2] = x2 * cos + x1 * sin
+    return out.astype(np.float32)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: float,
+              window: int = 0) -> np.ndarray:
+    """Causal grouped-query attention.
+
+    q [T, Hq, D]; k, v [S, Hkv, D] (cache rows 0..S-1 hold positions 0..S-1);
+    q_pos int [T]: the position of each query; key j is seen when j <= q_pos
+    (and q_pos - j < window when window > 0) -> [T, Hq, D].
+    """
+    t, hq, d = q.shape
+    s, hkv, _ = k.shape
+    group = hq // hkv
+    out = np.zeros((t, hq, d), dtype=np.float64)
+    j = np.arange(s)
+    for ti in range(t):
+        seen = j <= q_pos[ti]
+        if window > 0:
+            seen &= (q_pos[ti] - j) < window
+        for h in range(hq):
+            kv = h // group
+            sc = (k[seen, kv].astype(np.float64) @ q[ti, h].astype(np.float64)) * scale
+            p = np.exp(sc - sc.max())
+            p /= p.sum()
+            out[ti, h] = p @ v[seen, kv].astype(np.float64)
+    return out.astype(np.float32)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T, K], w [N, K] (float32, or uint16 bfloat16 bits) -> [T, N] float32."""
+    wf = bf16_to_f32(w) if w.dtype == np.uint16 else w
+    return (x.astype(np.float64) @ wf.astype(np.float64).T).astype(np.float32)
+
+
+def router_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    """logits [T, E] -> (ids int32 [T, K], weights float32 [T, K]).
+
+    softmax over all experts, the k largest probabilities (larger first, lower index first on
+    ties), renormalized to sum 1 when norm_topk_prob.
+    """
+    l64 = logits.astype(np.float64)
+    p = np.exp(l64 - l64.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k].astype(np.int32)
+    w = np.take_along_axis(p, ids, axis=-1)
+    if norm_topk_prob:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return ids, w.astype(np.float32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """x [T, H]; gate, up [I, H]; down [H, I] (float) -> [T, H] float32."""
+    x64 = x.astype(np.float64)
+    g = x64 @ gate.astype(np.float64).T
+    u = x64 @ up.astype(np.float64).T
+    return ((silu(g) * u) @ down.astype(np.float64).T).astype(np.float32)
+
+
+def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:
+    """x [T, H]; ids, weights [T, K]; experts[e] = (gate, up, down) float -> [T, H] float32."""
+    out = np.zeros(x.shape, dtype=np.float64)
+    for t in range(x.shape[0]):
+        for kk in range(ids.shape[1]):
+            g, u, d = experts[int(ids[t, kk])]
+            out[t] += float(weights[t, kk]) * swiglu_expert(x[t:t + 1], g, u, d)[0]
+    return out.astype(np.float32)
+
+
+# ---- sampling ------------------------------------------------------------------------------
+
+def sample_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """logits [V] -> the distribution sampling draws from, float64 [V].
+
+    temperature scales logits; top_k keeps the k most likely (0 = all); top_p keeps the
+    smallest most-likely prefix whose mass reaches top_p (1.0 = all). Greedy is temperature 0.
+    """
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.ones(p.shape[0], dtype=bool)
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        ps = p[order]
+        ps = ps / ps[keep[order]].sum()
+        csum = np.cumsum(np.where(keep[order], ps, 0.0))
+        cut = int(np.searchsorted(csum, top_p)) + 1  # smallest prefix with mass >= top_p
+        keep[order[cut:]] = False
+    p = np.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+def sample_from(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw: the first id whose cumulative probability exceeds u in [0, 1)."""
+    c = np.cumsum(probs)
+    return int(min(np.searchsorted(c, u * c[-1], side="right"), probs.shape[0] - 1))

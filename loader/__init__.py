@@ -1,0 +1,1 @@
+"""Checkpoint reading, packing, the expert arena, readers and host caches."""

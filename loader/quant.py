@@ -1,0 +1,241 @@
+"""Weight encoders for the expert formats (bf16, FP8 E4M3, NVFP4) and their numpy decoders.
+
+Everything is vectorized numpy: the packer quantizes whole checkpoints through these functions.
+Rounding is round-to-nearest-even everywhere. Block byte layout: loader/layout.py.
+Legend: R = rows, K = columns, Kp = K rounded up to a multiple of 16 (NVFP4 row padding).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from loader.layout import NVFP4_GROUP, ExpertLayout, matrix_bytes, padded_k
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E4M3_NAN = 0x7F
+
+# E2M1 magnitudes by code (bit 3 is the sign).
+E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+_E2M1_TABLE = np.concatenate([E2M1_GRID, -E2M1_GRID])   # [16] code -> value
+
+
+def _e4m3_table() -> np.ndarray:
+    b = np.arange(256)
+    exp = (b >> 3) & 0xF
+    man = b & 0x7
+    mag = np.where(exp == 0, man * 2.0 ** -9, (8 + man) * 2.0 ** (exp - 10.0))
+    val = np.where(b & 0x80, -mag, mag)
+    val[(exp == 0xF) & (man == 0x7)] = np.nan
+    return val.astype(np.float32)
+
+
+_E4M3_TABLE = _e4m3_table()  # [256] bits -> value
+
+
+def _check_finite(w: np.ndarray, name: str) -> None:
+    if not np.isfinite(w).all():
+        bad = int(np.size(w) - np.count_nonzero(np.isfinite(w)))
+        raise ValueError(f"{name}: {bad} NaN/Inf value(s) in the weights; cannot quantize")
+
+
+def _as_matrix(w: np.ndarray, name: str) -> np.ndarray:
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D weight matrix, got shape {w.shape}")
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    _check_finite(w, name)
+    return w
+
+
+# ---- scalar formats ------------------------------------------------------------------------
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> uint16 bfloat16 bits, round to nearest even (NaN stays a quiet NaN)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    out = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    if nan.any():
+        out[nan] = (bits[nan] >> 16).astype(np.uint16) | np.uint16(0x0040)
+    return out
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bits -> float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
+    """float -> uint8 FP8 E4M3 FN bits: round to nearest even, subnormals kept, saturate at 448.
+
+    NaN -> 0x7F; +-Inf saturate to +-448 (the FN variant has no infinities).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    a = np.minimum(np.abs(x), np.float32(E4M3_MAX))
+    nan = np.isnan(a)
+    a[nan] = 0
+    bits = a.view(np.uint32)
+    # normals: round the 23-bit mantissa to 3 bits (carry may bump the exponent), rebias 127 -> 7
+    rounded = (bits + np.uint32(0x7FFFF) + ((bits >> 20) & np.uint32(1))) >> 20
+    normal = rounded.astype(np.int32) - (120 << 3)
+    # below 2**-6: multiples of 2**-9 (code 8 = 2**-6, the smallest normal, comes out right)
+    sub = np.rint(a * np.float32(512.0)).astype(np.int32)
+    code = np.where(a < np.float32(2.0 ** -6), sub, normal)
+    code |= np.signbit(x).astype(np.int32) << 7
+    code[nan] = E4M3_NAN
+    return code.astype(np.uint8)
+
+
+def e4m3_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint8 FP8 E4M3 FN bits -> float32 (0x7F / 0xFF are NaN)."""
+    return _E4M3_TABLE[np.asarray(bits, dtype=np.uint8)]
+
+
+def _e2m1_codes(v: np.ndarray) -> np.ndarray:
+    """float32 values already divided by their scale -> uint8 E2M1 codes (sign in bit 3).
+
+    Round to nearest even on the grid (a tie goes to the even code), saturate at 6.
+    """
+    a = np.minimum(np.abs(v), np.float32(E2M1_MAX))
+    bits = a.view(np.uint32)
+    # a >= 1: round the mantissa to 1 bit, rebias 127 -> 1: code = exponent field << 1 | mantissa
+    normal = ((bits + np.uint32(0x1FFFFF) + ((bits >> 22) & np.uint32(1))) >> 22).astype(np.int32) - 252
+    sub = np.rint(a * np.float32(2.0)).astype(np.int32)          # a < 1: 0, 0.5, 1.0 (code 2)
+    code = np.where(a < 1, sub, normal)
+    code |= ((v < 0) & (code > 0)).astype(np.int32) << 3
+    return code.astype(np.uint8)
+
+
+# ---- matrix formats ------------------------------------------------------------------------
+
+def quantize_nvfp4(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray, float]:
+    """w float32 [R, K] -> (q uint8 [R, Kp/2], s uint8 [R, Kp/16] E4M3, global_scale float).
+
+    Element 2j of a row sits in the low nibble of byte j; rows are zero-padded to Kp.
+    dequant = E2M1 value * E4M3 block scale * global_scale.
+    """
+    w = _as_matrix(w, name)
+    r, k = w.shape
+    kp = padded_k("nvfp4", k)
+    if kp != k:
+        w = np.pad(w, ((0, 0), (0, kp - k)))
+    amax = float(np.abs(w).max()) if w.size else 0.0
+    g = np.float32(amax / (E2M1_MAX * E4M3_MAX)) if amax > 0 else np.float32(1.0)
+    if g == 0:  # amax so small that amax / 2688 underflows float32
+        g = np.float32(np.finfo(np.float32).smallest_subnormal)
+    blocks = w.reshape(r, kp // NVFP4_GROUP, NVFP4_GROUP)          # [R, Kp/16, 16]
+    bmax = np.abs(blocks).max(axis=2)                               # [R, Kp/16]
+    s = f32_to_e4m3(bmax / np.float32(E2M1_MAX) / g)
+    denom = e4m3_to_f32(s) * g                                     # [R, Kp/16]
+    v = np.zeros_like(blocks)
+    np.divide(blocks, denom[:, :, None], out=v, where=denom[:, :, None] > 0)  # zero scale: zeros
+    codes = _e2m1_codes(v).reshape(r, kp)
+    q = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
+    return np.ascontiguousarray(q, dtype=np.uint8), s, float(g)
+
+
+def dequant_nvfp4(q: np.ndarray, s: np.ndarray, global_scale: float, k: int) -> np.ndarray:
+    """q uint8 [R, Kp/2], s uint8 [R, Kp/16], global scale -> float32 [R, k]."""
+    r = q.shape[0]
+    vals = np.empty((r, q.shape[1] * 2), dtype=np.float64)
+    vals[:, 0::2] = _E2M1_TABLE[q & 0xF]
+    vals[:, 1::2] = _E2M1_TABLE[q >> 4]
+    scales = np.repeat(e4m3_to_f32(s).astype(np.float64), NVFP4_GROUP, axis=1)
+    return (vals * scales * float(global_scale))[:, :k].astype(np.float32)
+
+
+def quantize_fp8(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """w float32 [R, K] -> (q uint8 [R, K] E4M3 FN bits, s float32 [R]); dequant = q * s[r]."""
+    w = _as_matrix(w, name)
+    amax = np.abs(w).max(axis=1) if w.shape[1] else np.zeros(w.shape[0], np.float32)
+    s = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    s[s == 0] = 1.0
+    q = f32_to_e4m3(w / s[:, None])
+    return q, s
+
+
+def dequant_fp8(q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """q uint8 [R, K] E4M3, s float32 [R] -> float32 [R, K]."""
+    return (e4m3_to_f32(q).astype(np.float64) * np.asarray(s, np.float64)[:, None]).astype(np.float32)
+
+
+# ---- expert blocks -------------------------------------------------------------------------
+
+MATRICES = ("gate", "up", "down")
+
+
+def encode_matrix(fmt: str, w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray, float]:
+    """One matrix in format fmt -> (q bytes, s bytes, global scale) as uint8 arrays for a block."""
+    if fmt == "bf16":
+        return f32_to_bf16(_as_matrix(w, name)).view(np.uint8).reshape(-1), np.empty(0, np.uint8), 1.0
+    if fmt == "fp8":
+        q, s = quantize_fp8(w, name)
+        return q.reshape(-1), s.view(np.uint8), 1.0
+    if fmt == "nvfp4":
+        q, s, g = quantize_nvfp4(w, name)
+        return q.reshape(-1), s.reshape(-1), g
+    raise ValueError(f"{name}: unknown expert format {fmt!r}")
+
+
+def _shapes(layout: ExpertLayout) -> dict[str, tuple[int, int]]:
+    h, i = layout.hidden, layout.intermediate
+    return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+
+
+def assemble_expert_block(layout: ExpertLayout, parts: dict) -> np.ndarray:
+    """parts[m] = (q uint8 bytes, s uint8 bytes, global scale) for m in gate/up/down
+    -> uint8 [layout.block_bytes]. Used as well for pre-quantized bytes copied as released."""
+    block = np.zeros(layout.block_bytes, dtype=np.uint8)
+    globals_ = np.ones(3, dtype=np.float32)
+    for n, m in enumerate(MATRICES):
+        q, s, g = parts[m]
+        rows, k = _shapes(layout)[m]
+        qb, sb = matrix_bytes(layout.fmt, rows, k)
+        q = np.asarray(q).reshape(-1).view(np.uint8)
+        s = np.asarray(s).reshape(-1).view(np.uint8)
+        if q.nbytes != qb or s.nbytes != sb:
+            raise ValueError(f"{m}: {q.nbytes} value bytes / {s.nbytes} scale bytes, expected "
+                             f"{qb} / {sb} for {layout.fmt} [{rows}, {k}]")
+        qo, so = getattr(layout, m + "_q"), getattr(layout, m + "_s")
+        block[qo:qo + qb] = q
+        block[so:so + sb] = s
+        globals_[n] = g
+    block[:12] = globals_.view(np.uint8)
+    return block
+
+
+def encode_expert_block(fmt: str, layout: ExpertLayout, gate: np.ndarray, up: np.ndarray,
+                        down: np.ndarray, name: str = "expert") -> np.ndarray:
+    """gate [I, H], up [I, H], down [H, I] float32 -> one block, uint8 [layout.block_bytes]."""
+    if fmt != layout.fmt:
+        raise ValueError(f"{name}: format {fmt!r} does not match the layout's {layout.fmt!r}")
+    parts = {}
+    for m, w in zip(MATRICES, (gate, up, down)):
+        want = _shapes(layout)[m]
+        if tuple(np.shape(w)) != want:
+            raise ValueError(f"{name}.{m}: shape {tuple(np.shape(w))}, expected {want} "
+                             f"(H={layout.hidden}, I={layout.intermediate})")
+        parts[m] = encode_matrix(fmt, w, f"{name}.{m}")
+    return assemble_expert_block(layout, parts)
+
+
+def decode_expert_block(block: np.ndarray, layout: ExpertLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One block uint8 [>= payload_bytes] -> (gate [I, H], up [I, H], down [H, I]) float32."""
+    block = np.asarray(block).reshape(-1).view(np.uint8)
+    if block.nbytes < layout.payload_bytes:
+        raise ValueError(f"expert block has {block.nbytes} bytes, expected {layout.payload_bytes}")
+    globals_ = block[:12].copy().view(np.float32)
+    out = []
+    for n, m in enumerate(MATRICES):
+        rows, k = _shapes(layout)[m]
+        qb, sb = matrix_bytes(layout.fmt, rows, k)
+        qo, so = getattr(layout, m + "_q"), getattr(layout, m + "_s")
+        q, s = block[qo:qo + qb], block[so:so + sb]
+        if layout.fmt == "bf16":
+            out.append(bf16_to_f32(q.copy().view(np.uint16).reshape(rows, k)))
+        elif layout.fmt == "fp8":
+            out.append(dequant_fp8(q.reshape(rows, k), s.copy().view(np.float32)))
+        else:
+            kp = padded_k("nvfp4", k)
+            out.append(dequant_nvfp4(q.reshape(rows, kp // 2), s.reshape(rows, kp // NVFP4_GROUP),
+                                     float(globals_[n]), k))
+    return out[0], out[1], out[2]

@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random models of each family, built by transformers (no download)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.demo import byte_level_tokenizer
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+
+
+def gpu_available() -> bool:
+    try:
+        from numba import cuda
+        return cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+BASE = dict(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def hf_config(family: str, **over):
+    """A transformers config of the family, tiny, with overrides."""
+    import transformers as tf
+    kw = dict(BASE)
+    if family == "qwen3_moe":
+        kw.update(intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+        cls = tf.Qwen3MoeConfig
+    elif family == "mixtral":
+        kw.update(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+        kw.pop("head_dim")
+        cls = tf.MixtralConfig
+    elif family == "olmoe":
+        kw.update(intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+        kw.pop("head_dim")
+        cls = tf.OlmoeConfig
+    else:
+        raise ValueError(family)
+    kw.update(over)
+    kw.setdefault("eos_token_id", None)
+    kw.setdefault("bos_token_id", None)
+    kw.setdefault("pad_token_id", None)
+    return cls(**kw)
+
+
+def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_size=None, seed=None,
+                   **over):
+    """Save a randomly initialised transformers model + a byte-level tokenizer into dst."""
+    import torch
+    import transformers as tf
+    cfg = hf_config(family, **over)
+    torch.manual_seed(np.random.default_rng(seed).integers(1 << 31))
+    cls = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
+           "olmoe": tf.OlmoeForCausalLM}[family]
+    model = cls(cfg)
+    with torch.no_grad():  # wider-than-default init so logits and routing are not all flat
+        for n, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
+            elif "norm" in n:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    model = model.to(getattr(torch, dtype)).eval()
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(dst, **kw)
+    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return model
+
+
+def hf_reference(dst: Path):
+    """Load the saved folder back with transformers, in float32 (bf16 weights upcast)."""
+    import torch
+    import transformers as tf
+    m = tf.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
+    return m.eval()
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture
+def tiny_qwen(tmp_path):
+    build_hf_model(tmp_path / "m", "qwen3_moe")
+    return tmp_path / "m"

@@ -1,0 +1,72 @@
+"""The CPU engine against transformers on the same weights: logits and greedy tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import engine
+from conftest import build_hf_model, hf_reference, rel_err
+
+CASES = [
+    ("qwen3_moe", {}),
+    ("qwen3_moe", dict(hidden_size=40, norm_topk_prob=True, num_experts_per_tok=1)),
+    ("qwen3_moe", dict(num_experts_per_tok=4, norm_topk_prob=False, num_key_value_heads=1,
+                       tie_word_embeddings=True)),
+    ("qwen3_moe", dict(num_key_value_heads=4, mlp_only_layers=[0], hidden_size=72)),
+    ("qwen3_moe", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 64})),
+    ("qwen3_moe", dict(rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0})),
+    ("mixtral", {}),
+    ("mixtral", dict(num_attention_heads=8, num_key_value_heads=2, num_experts_per_tok=4,
+                     tie_word_embeddings=True, sliding_window=6)),
+    ("olmoe", {}),
+    ("olmoe", dict(norm_topk_prob=True, clip_qkv=0.5, num_key_value_heads=4)),
+]
+
+
+def ids_for(seed=None, n=12, vocab=300):
+    return np.random.default_rng(seed).integers(0, vocab, n)
+
+
+@pytest.mark.parametrize("family,over", CASES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(CASES)])
+def test_logits_and_greedy_match_transformers(tmp_path, family, over):
+    build_hf_model(tmp_path, family, **over)
+    ref = hf_reference(tmp_path)
+    m = engine.load(tmp_path, device="cpu")
+    ids = ids_for()
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    got = m.logits(ids)
+    assert got.shape == want.shape
+    assert rel_err(got, want) < 1e-4
+    with torch.no_grad():
+        gen = ref.generate(torch.tensor(ids[:5])[None], max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    res = m.generate(ids[:5].tolist(), max_new_tokens=32, temperature=0)
+    assert res.output_ids == gen
+
+
+def test_sharded_checkpoint(tmp_path):
+    build_hf_model(tmp_path, "qwen3_moe", max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ref = hf_reference(tmp_path)
+    ids = ids_for()
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), want) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_bf16_checkpoint(tmp_path, family):
+    build_hf_model(tmp_path, family, dtype="bfloat16")
+    ref = hf_reference(tmp_path)  # the same bf16 weights, upcast to float32
+    m = engine.load(tmp_path, device="cpu")
+    ids = ids_for()
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(m.logits(ids), want) < 1e-4
+    with torch.no_grad():
+        gen = ref.generate(torch.tensor(ids[:5])[None], max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    assert m.generate(ids[:5].tolist(), max_new_tokens=32).output_ids == gen
