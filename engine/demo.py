@@ -53,11 +53,10 @@ def build_random_qwen3_moe(dst: Path, config: dict, seed: int = 0, dtype=np.floa
     """Write a random-weight qwen3_moe folder (config, safetensors, byte tokenizer); no torch."""
     from safetensors.numpy import save_file
     from engine.models import family_of
-    from engine.models.base import dense_spec, expert_spec
-    c, _ = family_of(config)
+    fam = family_of(config)
     rng = np.random.default_rng(seed)
     tensors = {}
-    for name, shape in {**dense_spec(c), **expert_spec(c)}.items():
+    for name, shape in {**fam.dense_spec, **fam.expert_spec}.items():
         if len(shape) == 1:
             a = 1.0 + 0.1 * rng.standard_normal(shape)
         else:

@@ -17,7 +17,6 @@ from typing import Callable, Iterator
 import numpy as np
 
 from engine.models import family_of
-from engine.models.base import dense_spec, expert_spec
 from engine.names import expert_names, name
 from engine.tokenizer import StreamDecoder, load_tokenizer
 from loader.checkpoint import Checkpoint
@@ -83,16 +82,13 @@ class Engine:
         self.ops = ops = CpuOps()
         ck = self.checkpoint = Checkpoint(model)
         self.dir: Path = ck.dir
-        self.config, model_cls = family_of(ck.config)
-        c = self.config
-        consumed = ck.require(dense_spec(c)) | ck.require(expert_spec(c))
-        self.consumed = consumed
+        fam = family_of(ck.config)
+        self.config = c = fam.config
+        self.consumed = ck.require(fam.dense_spec) | ck.require(fam.expert_spec)
         self.tokenizer = load_tokenizer(ck.dir, ck.tokenizer_path())
-        self._dense = {}
-        for n in dense_spec(c):
-            self._dense[n] = ops.weight(ck.get(n))
+        self._dense = {n: ops.weight(ck.get(n)) for n in fam.dense_spec}
         self.experts = CheckpointExperts(ck, c.family, ops)
-        self.model = model_cls(c, ops, self._weight, self.experts, on_route)
+        self.model = fam.model_cls(c, ops, self._weight, self.experts, on_route)
         gen = ck.json_file("generation_config.json")
         eos = gen.get("eos_token_id", None)
         if eos is None:

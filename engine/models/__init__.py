@@ -1,21 +1,36 @@
-"""Model families: model_type -> (config class, model class). One small file per family."""
+"""Model families: model_type -> its family module. One small file per family.
+
+A family module provides: `Config` (a frozen dataclass with from_hf(config_json_dict)), `Model`
+(the forward pass over backend ops), `dense_spec(config)` and `expert_spec(config)` (every tensor
+it reads, name -> shape: the completeness contract the loader checks).
+"""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from engine.models import mixtral, olmoe, qwen3_moe
 from engine.models.rope import ConfigError
 
 FAMILIES = {
-    "qwen3_moe": (qwen3_moe.Qwen3MoeConfig, qwen3_moe.Model),
-    "mixtral": (mixtral.MixtralConfig, mixtral.Model),
-    "olmoe": (olmoe.OlmoeConfig, olmoe.Model),
+    "qwen3_moe": qwen3_moe,
+    "mixtral": mixtral,
+    "olmoe": olmoe,
 }
 
 
-def family_of(cfg: dict):
-    """(config, model class) for a config.json dict; refuses unknown model types by name."""
+class Family(NamedTuple):
+    config: object
+    model_cls: type
+    dense_spec: dict
+    expert_spec: dict
+
+
+def family_of(cfg: dict) -> Family:
+    """The family of a config.json dict; refuses unknown model types by name."""
     mt = cfg.get("model_type")
     if mt not in FAMILIES:
         raise ConfigError(f"config.json: model_type {mt!r} is not supported; "
                           f"supported: {', '.join(sorted(FAMILIES))}")
-    conf_cls, model_cls = FAMILIES[mt]
-    return conf_cls.from_hf(cfg), model_cls
+    mod = FAMILIES[mt]
+    c = mod.Config.from_hf(cfg)
+    return Family(c, mod.Model, mod.dense_spec(c), mod.expert_spec(c))

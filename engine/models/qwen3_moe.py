@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.models.base import MoeConfig, MoeDecoder, need
+from engine.models.base import MoeConfig, MoeDecoder, dense_spec, expert_spec, need  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -23,3 +23,4 @@ class Qwen3MoeConfig(MoeConfig):
 
 
 Model = MoeDecoder
+Config = Qwen3MoeConfig
