@@ -1,0 +1,56 @@
+"""The generate CLI as a user runs it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from conftest import build_hf_model, hf_reference
+
+
+def test_cli_json_greedy_matches_transformers(tmp_path):
+    build_hf_model(tmp_path, "qwen3_moe")
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "--model", str(tmp_path),
+                        "--prompt-ids", "1,2,3", "--max-new-tokens", "16", "--temperature", "0",
+                        "--json", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"prompt_ids", "output_ids", "text", "stats"}
+    ref = hf_reference(tmp_path)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=16, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    assert out["prompt_ids"] == [1, 2, 3]
+    assert out["output_ids"] == want
+    assert out["stats"]["decode_tok_s"] > 0
+
+
+def test_cli_streams_text_and_stops_at_eos(tmp_path):
+    build_hf_model(tmp_path, "mixtral")
+    ref = hf_reference(tmp_path)
+    with torch.no_grad():
+        first = ref.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    # make the third greedy token the EOS id: generation must stop there
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": first[2]}))
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "--model", str(tmp_path),
+                        "--prompt-ids", "5,6,7", "--max-new-tokens", "20", "--device", "cpu", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    out = json.loads(r.stdout)
+    assert out["output_ids"] == first[:3]
+    assert out["finish_reason"] == "stop"
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "--model", str(tmp_path),
+                        "--prompt", "hi", "--max-new-tokens", "5", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "decode:" in r.stderr and "tok/s" in r.stderr
+
+
+def test_demo_model_runs_without_model_flag(tmp_path):
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "--max-new-tokens", "8", "--json",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "RANDOM weights" in r.stderr
+    assert len(json.loads(r.stdout)["output_ids"]) == 8
