@@ -49,27 +49,33 @@ def cache_dir() -> Path:
     return Path(base) / "moe-stream"
 
 
-def build_random_qwen3_moe(dst: Path, config: dict, seed: int = 0, dtype=np.float32) -> Path:
-    """Write a random-weight qwen3_moe folder (config, safetensors, byte tokenizer); no torch."""
-    from safetensors.numpy import save_file
+def build_random_model(dst: Path, config: dict, seed: int = 0, bf16: bool = False) -> Path:
+    """Write a random-weight model folder of any family (config, safetensors, byte tokenizer).
+
+    Needs only the runtime dependencies; written to a temporary name and renamed at the end.
+    """
     from engine.models import family_of
+    from loader.st_write import write_safetensors
     fam = family_of(config)
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in {**fam.dense_spec, **fam.expert_spec}.items():
         if len(shape) == 1:
-            a = 1.0 + 0.1 * rng.standard_normal(shape)
+            a = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32))
         else:
-            a = rng.standard_normal(shape) * (1.0 / np.sqrt(shape[1]))
-        tensors[name] = a.astype(dtype)
+            a = rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(shape[1]))
+        tensors[name] = (a.view(np.uint32) >> 16).astype(np.uint16) if bf16 else a
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp / "model.safetensors"))
+    write_safetensors(tmp / "model.safetensors", tensors, bf16=set(tensors) if bf16 else None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
     byte_level_tokenizer().save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|bos|>", "eos_token": "<|endoftext|>", "add_bos_token": False}))
+    if dst.exists():
+        import shutil
+        shutil.rmtree(dst)
     os.replace(tmp, dst)
     return dst
 
@@ -80,5 +86,8 @@ def demo_model_dir() -> Path:
           "(pass --model DIR for a real checkpoint)", file=sys.stderr)
     if not (dst / "config.json").is_file():
         print(f"building it once in {dst} ...", file=sys.stderr)
-        build_random_qwen3_moe(dst, DEMO_CONFIG)
+        build_random_model(dst, DEMO_CONFIG)
     return dst
+
+# renamed; kept for callers written against the first name
+build_random_qwen3_moe = build_random_model
