@@ -27,6 +27,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens")
+    p.add_argument("--ram-gb", type=float, default=None,
+                   help="host-RAM expert cache budget for packed models (default: fits the arena, "
+                        "at most half the available RAM)")
+    p.add_argument("--cache-policy", choices=("lru", "lfu", "decay"), default="lru")
+    p.add_argument("--reader-threads", type=int, default=4)
+    p.add_argument("--trace-out", metavar="FILE", help="record the routed experts per token and layer")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     a = p.parse_args(argv)
     if a.max_new_tokens < 1:
@@ -47,7 +53,11 @@ def main(argv=None) -> int:
             model_dir = demo_model_dir()
         else:
             model_dir = a.model
-        m = engine.load(model_dir, device=a.device, max_context=a.max_context)
+        from engine.runtime import TraceRecorder
+        m = engine.load(model_dir, device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
+                        cache_policy=a.cache_policy, reader_threads=a.reader_threads)
+        if a.trace_out:
+            m.model.on_route = rec = TraceRecorder(m.config.moe_layers)
         if a.prompt_ids is not None:
             try:
                 ids = [int(x) for x in a.prompt_ids.split(",") if x.strip()]
@@ -61,6 +71,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     s = res.stats
+    if a.trace_out:
+        from engine.trace import save_trace
+        save_trace(a.trace_out, rec.array(), {"model": str(m.dir), "top_k": m.config.top_k,
+                                              "n_experts": m.config.n_experts,
+                                              "moe_layers": list(m.config.moe_layers),
+                                              "block_bytes": getattr(m.experts, "block_bytes", 0)})
     if a.json:
         print(json.dumps({"prompt_ids": res.prompt_ids, "output_ids": res.output_ids, "text": res.text,
                           "finish_reason": res.finish_reason, "stats": s}))
@@ -69,6 +85,13 @@ def main(argv=None) -> int:
         print(f"prefill: {s['prefill_tokens']} tokens at {s['prefill_tok_s']:.1f} tok/s | "
               f"decode: {s['decode_tokens']} tokens at {s['decode_tok_s']:.2f} tok/s | "
               f"device {m.device} | finish: {res.finish_reason}", file=sys.stderr)
+        ex = s.get("experts", {})
+        if ex.get("source") == "arena":
+            print(f"experts ({ex['format']}): RAM cache hit rate {ex.get('hit_rate', 0):.1%} "
+                  f"({ex.get('hits', 0)} hits, {ex.get('misses', 0)} misses, "
+                  f"{ex.get('evictions', 0)} evictions) | read {ex.get('bytes_read', 0) / 1e6:.1f} MB "
+                  f"at {ex.get('read_gbps', 0):.2f} GB/s | budget {ex['ram_budget_bytes'] / 1e9:.2f} GB",
+                  file=sys.stderr)
     return 0
 
 

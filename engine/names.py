@@ -29,6 +29,28 @@ _LLAMA_LIKE = {
     "mlp_down": "model.layers.{l}.mlp.down_proj.weight",
 }
 
+# Qwen3-Next / Qwen3.5-MoE: gated attention (q_proj holds query and gate), Gated DeltaNet layers
+# (linear_attn), a shared expert beside the routed ones. Qwen3-Next fuses the DeltaNet input
+# projections per key head (dn_qkvz, dn_ba); Qwen3.5 keeps them apart (dn_qkv, dn_z, dn_b, dn_a).
+_HYBRID = {
+    **_LLAMA_LIKE,
+    "shared_gate": "model.layers.{l}.mlp.shared_expert.gate_proj.weight",
+    "shared_up": "model.layers.{l}.mlp.shared_expert.up_proj.weight",
+    "shared_down": "model.layers.{l}.mlp.shared_expert.down_proj.weight",
+    "shared_expert_gate": "model.layers.{l}.mlp.shared_expert_gate.weight",
+    "dn_qkvz": "model.layers.{l}.linear_attn.in_proj_qkvz.weight",
+    "dn_ba": "model.layers.{l}.linear_attn.in_proj_ba.weight",
+    "dn_qkv": "model.layers.{l}.linear_attn.in_proj_qkv.weight",
+    "dn_z": "model.layers.{l}.linear_attn.in_proj_z.weight",
+    "dn_b": "model.layers.{l}.linear_attn.in_proj_b.weight",
+    "dn_a": "model.layers.{l}.linear_attn.in_proj_a.weight",
+    "dn_conv": "model.layers.{l}.linear_attn.conv1d.weight",
+    "dn_A_log": "model.layers.{l}.linear_attn.A_log",
+    "dn_dt_bias": "model.layers.{l}.linear_attn.dt_bias",
+    "dn_norm": "model.layers.{l}.linear_attn.norm.weight",
+    "dn_out": "model.layers.{l}.linear_attn.out_proj.weight",
+}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "olmoe": _LLAMA_LIKE,
@@ -39,6 +61,10 @@ NAMES: dict[str, dict[str, str]] = {
         "expert_up": "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
         "expert_down": "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
     },
+    "qwen3_next": _HYBRID,
+    "qwen3_5_moe_text": _HYBRID,
+    # the image-text wrapper (Qwen3_5MoeForConditionalGeneration): the language model under model.language_model.
+    "qwen3_5_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _HYBRID.items()},
 }
 
 

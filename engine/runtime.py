@@ -57,6 +57,72 @@ class CheckpointExperts:
         return {"source": "checkpoint", "experts_fetched": self.fetched}
 
 
+class ArenaExperts:
+    """Routed experts from a packed folder's arena, through the host-RAM cache (loader/cache.py)."""
+
+    def __init__(self, folder: Path, manifest: dict, c, ram_gb: float | None, policy: str,
+                 reader_threads: int):
+        from loader.arena import ArenaError, ArenaFile
+        from loader.cache import ExpertCache
+        from loader.reader import ReaderPool
+        self.arena = ArenaFile.from_manifest(manifest, folder)
+        lay = self.arena.layout
+        got = (lay.hidden, lay.intermediate, self.arena.n_experts, tuple(self.arena.moe_layers))
+        want = (c.hidden, c.moe_intermediate, c.n_experts, tuple(c.moe_layers))
+        if got != want:
+            raise ArenaError(f"{self.arena.path}: arena holds (hidden, intermediate, experts, moe layers) "
+                             f"= {got[:3]}, {list(got[3])} but config.json says {want[:3]}, {list(want[3])}")
+        self.fmt, self.lay, self.block_bytes = lay.fmt, lay.as_array(), lay.block_bytes
+        arena_bytes = len(self.arena.records) * lay.block_bytes
+        if ram_gb is None:
+            budget = min(arena_bytes, int(0.5 * _available_ram()))
+        else:
+            budget = int(ram_gb * 1e9)
+        self.reader = ReaderPool(self.arena.path, n_threads=reader_threads)
+        self.cache = ExpertCache(self.arena, self.reader, budget, c.n_layers, c.n_experts, policy=policy)
+        self.budget = budget
+
+    def fetch(self, layer: int, ids) -> list:
+        return [(self.fmt, b, self.lay) for b in self.cache.get_many(layer, [int(e) for e in ids])]
+
+    def stats(self) -> dict:
+        return {"source": "arena", "format": self.fmt, "ram_budget_bytes": self.budget,
+                **self.cache.stats_dict()}
+
+    def close(self):
+        self.reader.close()
+        self.arena.close()
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+class TraceRecorder:
+    """Collects the routed expert ids of every token and MoE layer: int32 [T, L_moe, K]."""
+
+    def __init__(self, moe_layers):
+        self.col = {l: i for i, l in enumerate(moe_layers)}
+        self.rows: list = []
+        self.pending: dict = {}
+
+    def __call__(self, layer: int, ids):
+        self.pending[self.col[layer]] = np.asarray(ids, dtype=np.int32)
+        if len(self.pending) == len(self.col):
+            self.rows.append(np.stack([self.pending[i] for i in range(len(self.col))], axis=1))
+            self.pending = {}
+
+    def array(self) -> np.ndarray:
+        return np.concatenate(self.rows, axis=0) if self.rows else np.zeros((0, len(self.col), 0), np.int32)
+
+
 def pick_device(device: str) -> str:
     """auto -> cuda when a GPU works, cpu otherwise (saying which on stderr)."""
     if device == "cpu":
@@ -76,7 +142,8 @@ def pick_device(device: str) -> str:
 
 class Engine:
     def __init__(self, model: str | os.PathLike, device: str = "auto", max_context: int | None = None,
-                 on_route: Callable | None = None):
+                 on_route: Callable | None = None, ram_gb: float | None = None,
+                 cache_policy: str = "lru", reader_threads: int = 4):
         self.device = pick_device(device)
         from kernels_numba.cpu import CpuOps
         self.ops = ops = CpuOps()
@@ -84,10 +151,21 @@ class Engine:
         self.dir: Path = ck.dir
         fam = family_of(ck.config)
         self.config = c = fam.config
-        self.consumed = ck.require(fam.dense_spec) | ck.require(fam.expert_spec)
+        for prefix, what in getattr(c, "ignored_parts", ()):   # e.g. a vision tower, MTP layers
+            n = sum(1 for t in ck.tensors if t.startswith(prefix))
+            if n:
+                print(f"{c.family}: skipping {what} ({n} tensors under {prefix}*)", file=sys.stderr)
         self.tokenizer = load_tokenizer(ck.dir, ck.tokenizer_path())
+        self.consumed = ck.require(fam.dense_spec)
         self._dense = {n: ops.weight(ck.get(n)) for n in fam.dense_spec}
-        self.experts = CheckpointExperts(ck, c.family, ops)
+        self.packed = (ck.dir / "manifest.json").is_file()
+        if self.packed:
+            from engine.pack import load_manifest
+            self.experts = ArenaExperts(ck.dir, load_manifest(ck.dir), c, ram_gb, cache_policy,
+                                        reader_threads)
+        else:
+            self.consumed |= ck.require(fam.expert_spec)
+            self.experts = CheckpointExperts(ck, c.family, ops)
         self.model = fam.model_cls(c, ops, self._weight, self.experts, on_route)
         gen = ck.json_file("generation_config.json")
         eos = gen.get("eos_token_id", None)

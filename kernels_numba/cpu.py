@@ -13,6 +13,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from kernels_numba.cpu_deltanet import DeltaNetOps
+
 # ---- number formats --------------------------------------------------------------------------
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -319,6 +321,7 @@ class CpuOps:
     """The CPU backend's ops over numpy arrays. Model code calls these, never the kernels."""
 
     name = "cpu"
+    deltanet = DeltaNetOps()    # the hybrid families' ops (Gated DeltaNet, gated norms and outputs)
 
     def weight(self, a: np.ndarray) -> np.ndarray:
         """A dense weight as the backend keeps it: float32, or bf16 bits for matrices."""

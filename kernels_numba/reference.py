@@ -178,3 +178,68 @@ def sample_from(probs: np.ndarray, u: float) -> int:
     """Inverse-CDF draw: the first id whose cumulative probability exceeds u in [0, 1)."""
     c = np.cumsum(probs)
     return int(min(np.searchsorted(c, u * c[-1], side="right"), probs.shape[0] - 1))
+
+
+# ---- hybrid families: Gated DeltaNet and gated attention ------------------------------------
+# Legend: Nk / Nv = DeltaNet key / value heads, Dk / Dv = their head dims, C = conv channels,
+# Kc = conv kernel width. Value head h reads key head h // (Nv / Nk).
+
+def causal_conv1d_silu(x: np.ndarray, w: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [T, C], w [C, Kc], state [Kc-1, C] (previous inputs, oldest first)
+    -> (silu(causal depthwise conv) [T, C], new state [Kc-1, C])."""
+    ks = w.shape[1] - 1
+    xe = np.concatenate([state, x]).astype(np.float64)            # [Kc-1+T, C]
+    t = x.shape[0]
+    out = np.stack([(xe[i:i + ks + 1] * w.T.astype(np.float64)).sum(0) for i in range(t)])
+    return silu(out).astype(np.float32), xe[t:].astype(np.float32)
+
+
+def deltanet_gates(b: np.ndarray, a: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray):
+    """b, a [T, Nv]; A_log, dt_bias [Nv] -> (beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias))."""
+    z = a.astype(np.float64) + dt_bias.astype(np.float64)
+    sp = np.where(z > 20.0, z, np.log1p(np.exp(np.minimum(z, 20.0))))
+    beta = 1.0 / (1.0 + np.exp(-b.astype(np.float64)))
+    return beta.astype(np.float32), (-np.exp(a_log.astype(np.float64)) * sp).astype(np.float32)
+
+
+def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """x / sqrt(sum(x^2) + eps) over the last axis (the FLA library's form), float64."""
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt((x64 * x64).sum(-1, keepdims=True) + eps)
+
+
+def gated_delta_rule(q, k, v, g, beta, state) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule, token by token, in float64.
+
+    q, k [T, Nk, Dk] (L2-normalized here; q also scaled by Dk^-0.5); v [T, Nv, Dv]; g, beta [T, Nv];
+    state [Nv, Dk, Dv] -> (out [T, Nv, Dv], new state). Per token and value head:
+    S <- exp(g) S;  S <- S + k (x) beta (v - k^T S);  o = q^T S.
+    """
+    t, nk, dk = q.shape
+    nv = v.shape[1]
+    rep = nv // nk
+    qn = np.repeat(l2norm(q), rep, axis=1) / np.sqrt(dk)
+    kn = np.repeat(l2norm(k), rep, axis=1)
+    s = state.astype(np.float64).copy()
+    out = np.zeros(v.shape, dtype=np.float64)
+    for i in range(t):
+        s *= np.exp(g[i].astype(np.float64))[:, None, None]
+        mem = np.einsum("hkv,hk->hv", s, kn[i])
+        delta = (v[i] - mem) * beta[i].astype(np.float64)[:, None]
+        s += kn[i][:, :, None] * delta[:, None, :]
+        out[i] = np.einsum("hkv,hk->hv", s, qn[i])
+    return out.astype(np.float32), s.astype(np.float32)
+
+
+def rmsnorm_gated(x: np.ndarray, z: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x, z [..., N], w [N] -> w * x / sqrt(mean(x^2) + eps) * silu(z)."""
+    x64 = x.astype(np.float64)
+    r = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (w.astype(np.float64) * x64 * r * silu(z.astype(np.float64))).astype(np.float32)
+
+
+def sigmoid_gate(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """x [T, N] * sigmoid(gate [T, G]), each gate column over N/G consecutive columns of x."""
+    per = x.shape[1] // gate.shape[1]
+    gg = np.repeat(gate.astype(np.float64), per, axis=1)
+    return (x.astype(np.float64) / (1.0 + np.exp(-gg))).astype(np.float32)

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import mixtral, olmoe, qwen3_moe
+from engine.models import mixtral, olmoe, qwen3_5_moe, qwen3_moe, qwen3_next
 from engine.models.rope import ConfigError
 
 FAMILIES = {
     "qwen3_moe": qwen3_moe,
     "mixtral": mixtral,
     "olmoe": olmoe,
+    "qwen3_next": qwen3_next,
+    "qwen3_5_moe": qwen3_5_moe,          # the image-text wrapper: its language model
+    "qwen3_5_moe_text": qwen3_5_moe,     # a text-only Qwen3.5-MoE folder
 }
 
 

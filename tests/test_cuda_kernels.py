@@ -1,0 +1,336 @@
+"""CUDA kernels (kernels_numba/gpu_*.py) against the numpy oracles in kernels_numba/reference.py.
+
+Two ways in:
+- CPU-only CI: test_simulator() runs this file as a script in a subprocess with
+  NUMBA_ENABLE_CUDASIM=1 (the variable must be set before numba.cuda is imported, and the rest
+  of the pytest process imports numba normally), at tiny shapes.
+- A GPU: the tests marked `gpu` run the same checks at real model shapes (skipped without one).
+Every check draws fresh random inputs, poisons outputs with NaN first, and compares within
+1e-5 of the output's largest magnitude (fp32 accumulation; oracles run on the same decoded
+weights). Run the simulator checks directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_cuda_kernels.py
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and str(ROOT) not in sys.path:   # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from numba import cuda  # noqa: E402
+
+from kernels_numba import reference as ref  # noqa: E402
+from kernels_numba.gpu_util import SIM  # noqa: E402
+
+TOL = 1e-5
+
+
+def _close(got, exp, tol=TOL, what=""):
+    got = np.asarray(got, dtype=np.float64)
+    exp = np.asarray(exp, dtype=np.float64)
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output (poison left?)"
+    scale = max(np.abs(exp).max(), 1e-30)
+    err = np.abs(got - exp).max() / scale
+    assert err <= tol, f"{what}: max error {err:.3g} of max |ref| exceeds {tol}"
+    return err
+
+
+def _nan(shape, dtype=np.float32):
+    return cuda.to_device(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype=dtype))
+
+
+def _bf16(a):
+    from loader.quant import f32_to_bf16
+    return f32_to_bf16(np.asarray(a, dtype=np.float32))
+
+
+# ---- checks (shared by the simulator run and the GPU tests) ----------------------------------
+
+def make_bank(fmt, h, i, slots, rng, scale=0.05):
+    """A device slot bank of `slots` random experts; returns (bank, layout, decoded weights)."""
+    from loader.layout import ExpertLayout
+    from loader.quant import decode_expert_block, encode_expert_block
+    lay = ExpertLayout.build(fmt, h, i)
+    blocks, ws = [], []
+    for _ in range(slots):
+        g = (rng.standard_normal((i, h)) * scale).astype(np.float32)
+        u = (rng.standard_normal((i, h)) * scale).astype(np.float32)
+        d = (rng.standard_normal((h, i)) * scale).astype(np.float32)
+        b = encode_expert_block(fmt, lay, g, u, d)
+        blocks.append(b)
+        ws.append(decode_expert_block(b, lay))
+    return cuda.to_device(np.stack(blocks)), lay, ws
+
+
+def check_experts(fmt, h, i, k, slots, rng, bank=None):
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    if bank is None:
+        bank = make_bank(fmt, h, i, slots, rng)
+    dbank, lay, ws = bank
+    lh = lay.as_array()
+    ge.check_layout(fmt, lh, k)
+    views = ge.bank_views(dbank)
+    sl = rng.choice(len(ws), size=k, replace=False).astype(np.int32)
+    w = rng.random(k).astype(np.float32)
+    x = rng.standard_normal(h).astype(np.float32)
+    act = _nan((k, i))
+    out = _nan(h)
+    ge.expert_mlp(fmt, views, cuda.to_device(lh), lh, cuda.to_device(sl), cuda.to_device(w),
+                  cuda.to_device(x), act, out, stream)
+    stream.synchronize()
+    exp = ref.moe(x[None], sl[None], w[None], ws)[0]
+    e1 = _close(out.copy_to_host(), exp, what=f"expert_mlp {fmt}")
+    base = rng.standard_normal(h).astype(np.float32)          # accumulate into out
+    out2 = cuda.to_device(base)
+    ge.expert_mlp(fmt, views, cuda.to_device(lh), lh, cuda.to_device(sl), cuda.to_device(w),
+                  cuda.to_device(x), act, out2, stream, accumulate=True)
+    stream.synchronize()
+    _close(out2.copy_to_host(), exp + base, what=f"expert_mlp {fmt} accumulate")
+    return e1
+
+
+def check_experts_grouped(fmt, h, i, k, t, n_exp, rng):
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = make_bank(fmt, h, i, n_exp, rng)
+    lh = lay.as_array()
+    views = ge.bank_views(dbank)
+    logits = rng.standard_normal((t, n_exp)).astype(np.float32)
+    ids, wts = ref.router_topk(logits, k, True)
+    gslot, gstart, order, aw, pos = ge.group_assignments(ids, wts, lambda e: e)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    a = t * k
+    act, y, out = _nan((a, i)), _nan((a, h)), _nan((t, h))
+    ge.expert_mlp_grouped(fmt, views, cuda.to_device(lh), lh, cuda.to_device(gslot),
+                          cuda.to_device(gstart), cuda.to_device(order), cuda.to_device(aw),
+                          cuda.to_device(pos), cuda.to_device(x), act, y, out, stream)
+    stream.synchronize()
+    return _close(out.copy_to_host(), ref.moe(x, ids, wts, ws), what=f"grouped {fmt}")
+
+
+def check_dense(rng, t, n, k, gemm_t):
+    from kernels_numba import gpu_dense as gd
+    stream = cuda.stream()
+    errs = []
+    for kind in ("f32", "bf16"):
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        if kind == "bf16":
+            w = _bf16(w)
+        dw = cuda.to_device(w)
+        for tt in (1, t):
+            x = rng.standard_normal((tt, k)).astype(np.float32)
+            y = _nan((tt, n))
+            gd.linear(dw, cuda.to_device(x), y, stream)
+            stream.synchronize()
+            errs.append(_close(y.copy_to_host(), ref.linear(x, w), what=f"linear {kind} T={tt}"))
+        x = rng.standard_normal((gemm_t, k)).astype(np.float32)
+        y = _nan((gemm_t, n))
+        gd.gemm(dw, cuda.to_device(x), y, stream)
+        stream.synchronize()
+        errs.append(_close(y.copy_to_host(), ref.linear(x, w), what=f"gemm {kind}"))
+    return max(errs)
+
+
+def check_norm_rope_embed(rng, t, nh, d, r, hidden, vocab):
+    from kernels_numba import gpu_dense as gd
+    stream = cuda.stream()
+    x = rng.standard_normal((t, hidden)).astype(np.float32)
+    w = rng.standard_normal(hidden).astype(np.float32)
+    y = _nan((t, hidden))
+    gd.rmsnorm(cuda.to_device(x), cuda.to_device(w), 1e-6, y, stream)
+    stream.synchronize()
+    _close(y.copy_to_host(), ref.rmsnorm(x, w, 1e-6), what="rmsnorm")
+    qh = rng.standard_normal((t, nh, d)).astype(np.float32)       # per-head norm, (1 + w)
+    wh = rng.standard_normal(d).astype(np.float32) * 0.1
+    dq = cuda.to_device(qh.reshape(t * nh, d))
+    gd.rmsnorm(dq, cuda.to_device(wh), 1e-6, dq, stream, w_offset=1.0)
+    stream.synchronize()
+    _close(dq.copy_to_host().reshape(t, nh, d), ref.rmsnorm(qh, wh + 1.0, 1e-6), what="head norm")
+    pos = rng.integers(0, 40000, size=t).astype(np.int32)
+    inv_freq = (1.0 / (1e6 ** (np.arange(0, r, 2) / r))).astype(np.float32)
+    dx = cuda.to_device(qh)
+    gd.rope(dx, cuda.to_device(pos), cuda.to_device(inv_freq), stream)
+    stream.synchronize()
+    _close(dx.copy_to_host(), ref.rope(qh, pos, inv_freq), what=f"rope R={r}")
+    for kind in ("f32", "bf16"):
+        table = rng.standard_normal((vocab, hidden)).astype(np.float32)
+        if kind == "bf16":
+            table = _bf16(table)
+        ids = rng.integers(0, vocab, size=t).astype(np.int32)
+        out = _nan((t, hidden))
+        gd.embed(cuda.to_device(ids), cuda.to_device(table), out, stream)
+        stream.synchronize()
+        exp = ref.bf16_to_f32(table[ids]) if kind == "bf16" else table[ids]
+        _close(out.copy_to_host(), exp, tol=0, what=f"embed {kind}")
+    a = rng.standard_normal(hidden).astype(np.float32)
+    b = rng.standard_normal(hidden).astype(np.float32)
+    o = _nan(hidden)
+    gd.add(cuda.to_device(a), cuda.to_device(b), o, stream)
+    stream.synchronize()
+    _close(o.copy_to_host(), a + b, tol=0, what="add")
+
+
+def check_attention(rng, s_max, hq, hkv, d, split, t_prefill, window):
+    from kernels_numba import gpu_attention as ga
+    stream = cuda.stream()
+    errs = []
+    for kind in ("f32", "bf16"):
+        k = rng.standard_normal((s_max, hkv, d)).astype(np.float32)
+        v = rng.standard_normal((s_max, hkv, d)).astype(np.float32)
+        if kind == "bf16":
+            kb, vb = _bf16(k), _bf16(v)
+            k, v = ref.bf16_to_f32(kb), ref.bf16_to_f32(vb)
+            dk, dv = cuda.to_device(kb), cuda.to_device(vb)
+        else:
+            dk, dv = cuda.to_device(k), cuda.to_device(v)
+        scale = d ** -0.5
+        parts = ga.alloc_partials(1, hq, d, s_max, split)
+        for pos in (0, s_max // 3, s_max - 1):          # decode at several lengths, one grid
+            q = rng.standard_normal((1, hq, d)).astype(np.float32)
+            qp = np.array([pos], np.int32)
+            out = _nan((1, hq, d))
+            ga.attention(cuda.to_device(q), dk, dv, cuda.to_device(qp), scale, out, parts, stream,
+                         split=split)
+            stream.synchronize()
+            errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale),
+                               what=f"decode attention {kind} pos={pos}"))
+        q = rng.standard_normal((t_prefill, hq, d)).astype(np.float32)
+        qp = np.arange(t_prefill, dtype=np.int32)
+        parts = ga.alloc_partials(t_prefill, hq, d, s_max, split)
+        for win in (0, window):
+            out = _nan((t_prefill, hq, d))
+            ga.attention(cuda.to_device(q), dk, dv, cuda.to_device(qp), scale, out, parts, stream,
+                         window=win, split=split)
+            stream.synchronize()
+            errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win),
+                               what=f"prefill attention {kind} window={win}"))
+    return max(errs)
+
+
+def check_router_sampling(rng, t, e, k, vocab):
+    from kernels_numba import gpu_sampling as gs
+    stream = cuda.stream()
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    for norm in (True, False):
+        ids, w = _nan((t, k), np.int32), _nan((t, k))
+        gs.router_topk(cuda.to_device(logits), norm, ids, w, stream)
+        stream.synchronize()
+        eids, ew = ref.router_topk(logits, k, norm)
+        assert np.array_equal(ids.copy_to_host(), eids), "router ids"
+        _close(w.copy_to_host(), ew, what=f"router weights norm={norm}")
+    lg = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    dl = cuda.to_device(lg)
+    tok = _nan(1, np.int32)
+    gs.argmax(dl, tok, stream)
+    stream.synchronize()
+    assert int(tok.copy_to_host()[0]) == int(np.argmax(lg)), "argmax"
+    probs = cuda.device_array(vocab, np.float32)
+    for temp, top_k, top_p in ((1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.9, 40, 0.9)):
+        p = ref.sample_probs(lg, temp, top_k, top_p)
+        c = np.cumsum(p)
+        for u in (0.03, 0.41, 0.77, 0.98):
+            # skip draws within float rounding of a CDF step (fp32 on the device)
+            if np.min(np.abs(c - u * c[-1])) < 1e-4:
+                continue
+            tok = _nan(1, np.int32)
+            gs.sample(dl, cuda.to_device(np.array([temp, top_k, top_p], np.float32)),
+                      cuda.to_device(np.array([u], np.float32)), probs, tok, stream)
+            stream.synchronize()
+            want = ref.sample_from(p, u)
+            got = int(tok.copy_to_host()[0])
+            assert got == want, f"sample T={temp} k={top_k} p={top_p} u={u}: {got} != {want}"
+
+
+# ---- simulator (CI) -------------------------------------------------------------------------
+
+def run_sim_checks() -> None:
+    """Tiny shapes; run only under NUMBA_ENABLE_CUDASIM=1."""
+    rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
+    t0 = time.time()
+    for fmt in ("nvfp4", "fp8", "bf16"):
+        check_experts(fmt, 48, 32, 3, 4, rng)
+        print(f"ok experts {fmt} {time.time() - t0:.0f}s", flush=True)
+    for fmt in ("nvfp4", "bf16"):
+        check_experts_grouped(fmt, 32, 16, 2, 3, 4, rng)
+        print(f"ok grouped {fmt} {time.time() - t0:.0f}s", flush=True)
+    check_dense(rng, t=5, n=6, k=40, gemm_t=3)
+    print(f"ok dense {time.time() - t0:.0f}s", flush=True)
+    check_norm_rope_embed(rng, t=2, nh=2, d=16, r=8, hidden=40, vocab=11)
+    print(f"ok norm/rope/embed {time.time() - t0:.0f}s", flush=True)
+    check_attention(rng, s_max=20, hq=2, hkv=1, d=8, split=8, t_prefill=5, window=3)
+    print(f"ok attention {time.time() - t0:.0f}s", flush=True)
+    check_router_sampling(rng, t=2, e=10, k=3, vocab=50)
+    print(f"ok router/sampling {time.time() - t0:.0f}s", flush=True)
+    print("SIM CHECKS PASSED", flush=True)
+
+
+def test_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=str(ROOT))
+    assert r.returncode == 0 and "SIM CHECKS PASSED" in r.stdout, r.stdout + r.stderr
+
+
+# ---- real GPU, real shapes ------------------------------------------------------------------
+
+_HAVE_GPU = (not SIM) and cuda.is_available()
+gpu = pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU")
+
+SHAPES = [(2048, 768, 8), (2048, 512, 10), (2560, 640, 10)]   # (H, I, K): Qwen3-30B-A3B, -Next, -
+FORMATS = ["nvfp4", "fp8", "bf16"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("h,i,k", SHAPES)
+def test_experts_gpu(fmt, h, i, k):
+    check_experts(fmt, h, i, k, k + 4, np.random.default_rng(1))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_experts_grouped_gpu(fmt):
+    check_experts_grouped(fmt, 2048, 768, 8, 37, 16, np.random.default_rng(2))
+
+
+@pytest.mark.gpu
+@gpu
+def test_dense_gpu():
+    check_dense(np.random.default_rng(3), t=7, n=4096, k=2048, gemm_t=77)
+
+
+@pytest.mark.gpu
+@gpu
+def test_norm_rope_embed_gpu():
+    rng = np.random.default_rng(4)
+    check_norm_rope_embed(rng, t=7, nh=32, d=128, r=128, hidden=2048, vocab=1000)
+    check_norm_rope_embed(rng, t=3, nh=16, d=256, r=64, hidden=2048, vocab=1000)
+
+
+@pytest.mark.gpu
+@gpu
+def test_attention_gpu():
+    check_attention(np.random.default_rng(5), s_max=3000, hq=32, hkv=4, d=128, split=256,
+                    t_prefill=40, window=16)
+
+
+@pytest.mark.gpu
+@gpu
+def test_router_sampling_gpu():
+    check_router_sampling(np.random.default_rng(6), t=4, e=512, k=10, vocab=151936)
+
+
+if __name__ == "__main__":
+    if not SIM:
+        sys.exit("run with NUMBA_ENABLE_CUDASIM=1 (or through pytest)")
+    run_sim_checks()
