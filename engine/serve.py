@@ -644,7 +644,7 @@ class Server:
 def prometheus_text(snap: dict) -> str:
     """Numeric metrics as Prometheus text: moe_stream_<name>, experts as moe_stream_experts_<name>."""
     flat = [(k, v) for k, v in snap.items() if k != "experts"]
-    flat += [(f"experts_{k}", v) for k, v in snap["experts"].items()]
+    flat += [("experts_" + k.removeprefix("experts_"), v) for k, v in snap["experts"].items()]
     lines = []
     for k, v in flat:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -733,6 +733,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = a.served_model_name or name
+    m.generate([0], max_new_tokens=2)       # compile the kernels now, not in the first request
+    m.state = None
     app = create_app(m, name, api_key=a.api_key, queue_size=a.queue_size)
     if a.host not in ("127.0.0.1", "localhost", "::1") and a.api_key is None:
         print(f"warning: listening on {a.host} without --api-key: anyone who can reach this port can use it",

@@ -22,6 +22,7 @@ from numba import cuda, float32, int32, uint32
 from .gpu_util import NEG_INF, SIM, WARP, cdiv, int_as_float, warp_sum
 
 ATT_THREADS = 64 if SIM else 128
+ATT_WARPS = ATT_THREADS // 32
 MAX_D = 256
 DL = MAX_D // WARP            # head-dim values per lane, at most
 SPLIT = 256                   # keys per block (default)
@@ -42,9 +43,9 @@ def _make_partial(ld):
     @cuda.jit
     def partial(q, kc, vc, q_pos, scale, window, split, pm, pl, pacc):
         red = cuda.shared.array(ATT_THREADS, float32)
-        wm = cuda.shared.array(ATT_THREADS // WARP, float32)
-        wl = cuda.shared.array(ATT_THREADS // WARP, float32)
-        wacc = cuda.shared.array((ATT_THREADS // WARP, MAX_D), float32)
+        wm = cuda.shared.array(ATT_WARPS, float32)
+        wl = cuda.shared.array(ATT_WARPS, float32)
+        wacc = cuda.shared.array((ATT_WARPS, MAX_D), float32)
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP

@@ -21,6 +21,8 @@ NORM_THREADS = 64 if SIM else 128    # rmsnorm: one warp per row
 GEMM_BM = 64                         # gemm tile: 64 x 64 outputs, 16 inner, 256 threads x 4x4
 GEMM_BN = 64
 GEMM_BK = 16
+GEMM_BMP = GEMM_BM + 1               # shared tile row stride (padded)
+GEMM_BNP = GEMM_BN + 1
 EW_THREADS = 64 if SIM else 256      # elementwise kernels
 _S16 = np.uint32(16)
 _XFFFF = np.uint32(0xFFFF)
@@ -99,8 +101,8 @@ def _make_gemm(elem):
     def gemm(x, w, y):
         """x float32 [T, K], w [N, K] -> y float32 [T, N]; grid (cdiv(N, 64), cdiv(T, 64)),
         256 threads, each 4 x 4 outputs; tiles of x and w staged in shared memory."""
-        xs = cuda.shared.array((GEMM_BK, GEMM_BM + 1), float32)
-        ws = cuda.shared.array((GEMM_BK, GEMM_BN + 1), float32)
+        xs = cuda.shared.array((GEMM_BK, GEMM_BMP), float32)
+        ws = cuda.shared.array((GEMM_BK, GEMM_BNP), float32)
         tid = cuda.threadIdx.x
         T, K = x.shape
         N = w.shape[0]

@@ -35,6 +35,8 @@ CHUNK = {"bf16": 4, "fp8": 8, "nvfp4": 16}   # values in one 8-byte load
 THREADS = 64 if SIM else 256                 # threads per block (2 warps under the simulator)
 ROWS_PER_WARP = 2
 TT = 2 if SIM else 4                         # grouped kernels: tokens per tile
+ACC_GU = 4 * TT                              # grouped gate_up accumulators per lane
+ACC_DN = 2 * TT
 MAX_K = 64                                   # routed experts per token, at most
 SHARED_LIMIT = 48 * 1024                     # static + dynamic shared bytes without opt-in
 TWO_POW_120 = float32(2.0 ** 120)
@@ -316,7 +318,7 @@ def _make_kernels(fmt: str):
         gg = bankf[slot, 0]
         gu = bankf[slot, 1]
         v = cuda.local.array(CW, float32)
-        acc = cuda.local.array(4 * TT, float32)       # [gate a, gate b, up a, up b] x TT
+        acc = cuda.local.array(ACC_GU, float32)       # [gate a, gate b, up a, up b] x TT
         for t0 in range(a0, a1, TT):
             cuda.syncthreads()
             for e in range(tid, TT * Hs, nt):
@@ -395,7 +397,7 @@ def _make_kernels(fmt: str):
         sra = gd * row_scale(bankf, slot, lay[5], ra)
         srb = gd * row_scale(bankf, slot, lay[5], rb)
         v = cuda.local.array(CW, float32)
-        acc = cuda.local.array(2 * TT, float32)
+        acc = cuda.local.array(ACC_DN, float32)
         for t0 in range(a0, a1, TT):
             cuda.syncthreads()
             for e in range(tid, TT * Is, nt):

@@ -100,7 +100,7 @@ def argmax(logits, out, stream):
     _argmax[1, BLOCK, stream](logits, out)
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def _mass_at_least(probs, thr, count_mode, red, wred):
     """sum over i of (1 or probs[i]) where bits(probs[i]) >= thr."""
     s = float32(0.0)
@@ -111,7 +111,7 @@ def _mass_at_least(probs, thr, count_mode, red, wred):
     return block_sum(s, red, wred)
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def _bisect(probs, target, count_mode, red, wred):
     """Largest bit pattern thr with mass_at_least(thr) >= target (probs >= 0)."""
     lo = uint32(0)

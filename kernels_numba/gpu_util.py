@@ -163,7 +163,7 @@ else:
         return v, i
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def block_sum(v, red, wred):
     """Sum over the whole block, to every thread. wred: float32 shared [>= warps]."""
     s = warp_sum(v, red)
@@ -180,7 +180,7 @@ def block_sum(v, red, wred):
     return t
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def block_max(v, red, wred):
     m = warp_max(v, red)
     tid = cuda.threadIdx.x
@@ -196,7 +196,7 @@ def block_max(v, red, wred):
     return t
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def block_argmax(v, i, red, red_i, wred, wred_i):
     bv, bi = warp_argmax(v, i, red, red_i)
     tid = cuda.threadIdx.x

@@ -67,7 +67,7 @@ class ReaderPool:
         self.direct = False
         self._fd = self._open(direct)
         self._stale_fds: list[int] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._heap: list = []                 # (priority, seq, _Request)
         self._seq = itertools.count()

@@ -1,0 +1,207 @@
+"""python -m engine.synth PRESET DST: a packed model folder with random weights at real shapes.
+
+Written directly (no bf16 checkpoint first) so benchmarks can use 17-45 GB arenas: expert
+blocks are random valid bytes of the chosen format (a few distinct blocks, cycled), dense
+weights random bf16. Presets with Qwen's 151,936-token vocabulary get the real Qwen tokenizer
+when `--tokenizer DIR` (or ../shared/tokenizers/qwen2 beside the checkout) is there.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from engine.models import family_of
+from engine.pack import DENSE, FORMAT_VERSION, MANIFEST, PackError
+from loader.arena import ARENA_NAME, HEADER_BYTES, _pack_header, block_offset
+from loader.layout import FORMATS, ExpertLayout
+from loader.st_write import write_safetensors
+
+_QWEN = {"vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+         "tie_word_embeddings": False, "eos_token_id": 151645, "bos_token_id": 151643,
+         "max_position_embeddings": 40960}
+
+PRESETS = {
+    "qwen3-30b-a3b": {
+        **_QWEN, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
+    "qwen3-next-80b-a3b": {
+        **_QWEN, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "partial_rotary_factor": 0.25, "num_experts": 512, "num_experts_per_tok": 10,
+        "norm_topk_prob": True, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 262144,
+    },
+    # the expert shapes of the issue (2560 x 640, top-10); the rest follows Qwen3-Next
+    "qwen3.8-flash-next": {
+        **_QWEN, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "hidden_size": 2560, "intermediate_size": 6400, "moe_intermediate_size": 640,
+        "shared_expert_intermediate_size": 640, "num_hidden_layers": 40,
+        "num_attention_heads": 20, "num_key_value_heads": 2, "head_dim": 256,
+        "partial_rotary_factor": 0.25, "num_experts": 384, "num_experts_per_tok": 10,
+        "norm_topk_prob": True, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 262144,
+    },
+}
+
+DISTINCT_BLOCKS = 16  # random blocks generated, then cycled: speed does not depend on the values
+
+
+def random_bf16(rng: np.random.Generator, shape) -> np.ndarray:
+    """Random bf16 bits of magnitude about 1/sqrt(K) with random signs, fast (no float math)."""
+    k = shape[-1]
+    top = 127 - int(np.ceil(np.log2(np.sqrt(k)))) + 1     # exponent of 2/sqrt(K)
+    r = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    exp = (np.uint16(top - 3) + (r >> np.uint16(7) & np.uint16(3))).astype(np.uint16)
+    return (r & np.uint16(0x807F)) | (exp << np.uint16(7))
+
+
+def random_block(fmt: str, lay: ExpertLayout, rng: np.random.Generator) -> np.ndarray:
+    """One valid random block: finite scales, values spread over the format's grid."""
+    b = np.zeros(lay.block_bytes, np.uint8)
+    h, i = lay.hidden, lay.intermediate
+    mats = (("gate", i, lay.hp), ("up", i, lay.hp), ("down", h, lay.ip))
+    for name, rows, kp in mats:
+        q, s = getattr(lay, name + "_q"), getattr(lay, name + "_s")
+        if fmt == "nvfp4":
+            nq, ns = rows * kp // 2, rows * kp // 16
+            b[q:q + nq] = rng.integers(0, 256, nq, dtype=np.uint8)
+            b[s:s + ns] = rng.integers(0x30, 0x40, ns, dtype=np.uint8)  # E4M3 scales near 1
+        elif fmt == "fp8":
+            nq = rows * kp
+            v = rng.integers(0, 0x7F, nq, dtype=np.uint8) & np.uint8(0x3F)  # |x| < 2, never NaN
+            b[q:q + nq] = v | (rng.integers(0, 2, nq, dtype=np.uint8) << 7)
+            b[s:s + 4 * rows] = np.full(rows, 1.0 / np.sqrt(kp), np.float32).view(np.uint8)
+        else:
+            w = (rng.standard_normal(rows * kp, dtype=np.float32) / np.float32(np.sqrt(kp)))
+            b[q:q + 2 * rows * kp] = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    gs = np.array([1.0 / (np.sqrt(h) * 4)] * 2 + [1.0 / (np.sqrt(i) * 4)], np.float32)
+    b[0:12] = (gs if fmt == "nvfp4" else np.ones(3, np.float32)).view(np.uint8)
+    return b
+
+
+def default_tokenizer_dir() -> Path | None:
+    here = Path(__file__).resolve().parents[1]
+    for cand in (here / "shared" / "tokenizers" / "qwen2", here.parent / "shared" / "tokenizers" / "qwen2"):
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def synth(preset: str, dst, experts: str = "nvfp4", force: bool = False, seed: int = 0,
+          tokenizer_dir: Path | None = None, progress: bool = True, layers: int | None = None) -> dict:
+    if preset not in PRESETS:
+        raise PackError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise PackError(f"{dst} exists; pass --force to replace it")
+    cfg = dict(PRESETS[preset])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    fam = family_of(cfg)
+    c = fam.config
+    rng = np.random.default_rng(seed)
+    tmp = dst.with_name(f".{dst.name}.synth-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t0 = time.perf_counter()
+    try:
+        dense = {}
+        for n, shape in fam.dense_spec.items():
+            if len(shape) == 1:
+                a = np.ones(shape, np.float32) + 0.05 * rng.standard_normal(shape, dtype=np.float32)
+                dense[n] = (a.view(np.uint32) >> 16).astype(np.uint16)
+            else:
+                dense[n] = random_bf16(rng, shape)
+        write_safetensors(tmp / DENSE, dense, bf16=set(dense), metadata={"synthetic": preset})
+        del dense
+        lay = ExpertLayout.build(experts, c.hidden, c.moe_intermediate)
+        blocks = [random_block(experts, lay, rng) for _ in range(DISTINCT_BLOCKS)]
+        crcs = [zlib.crc32(b) for b in blocks]
+        keys = [(l, e) for l in c.moe_layers for e in range(c.n_experts)]
+        records = []
+        bar = tqdm(total=len(keys) * lay.block_bytes, unit="B", unit_scale=True, unit_divisor=1000,
+                   desc=f"arena {experts}", disable=not progress)
+        with open(tmp / ARENA_NAME, "wb") as f:
+            f.write(_pack_header(experts, lay, c.n_layers, len(c.moe_layers), c.n_experts))
+            for i, (l, e) in enumerate(keys):
+                j = (i * 7 + l) % DISTINCT_BLOCKS
+                f.write(blocks[j].data)
+                records.append({"layer": l, "expert": e, "offset": block_offset(i, lay.block_bytes),
+                                "size": lay.block_bytes, "format": experts, "crc32": crcs[j]})
+                bar.update(lay.block_bytes)
+        bar.close()
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.get("eos_token_id")}))
+        tok = tokenizer_dir or default_tokenizer_dir()
+        if cfg["vocab_size"] == 151936 and tok is not None:
+            for f in Path(tok).iterdir():
+                if f.name.endswith(".gz"):
+                    with gzip.open(f, "rb") as src, open(tmp / f.name[:-3], "wb") as out:
+                        shutil.copyfileobj(src, out)
+                elif f.suffix in (".json", ".jinja"):
+                    shutil.copyfile(f, tmp / f.name)
+        else:
+            from engine.demo import byte_level_tokenizer
+            byte_level_tokenizer().save(str(tmp / "tokenizer.json"))
+        manifest = {
+            "format_version": FORMAT_VERSION, "model_type": c.family, "config": cfg,
+            "experts": {"format": experts, "hidden": c.hidden, "intermediate": c.moe_intermediate,
+                        "block_bytes": lay.block_bytes, "n_layers": c.n_layers,
+                        "n_experts": c.n_experts, "moe_layers": list(c.moe_layers)},
+            "blocks": records, "quantization": "synthetic random blocks",
+            "dense": {"file": DENSE, "source_dtypes": ["BF16"]}, "source": f"synthetic:{preset}",
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if progress:
+        gb = (HEADER_BYTES + len(keys) * lay.block_bytes) / 1e9
+        print(f"synthetic {preset}: {len(keys)} expert blocks ({experts}, {gb:.2f} GB) in "
+              f"{time.perf_counter() - t0:.1f} s -> {dst}", file=sys.stderr)
+    return manifest
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.synth", description=__doc__.splitlines()[0])
+    p.add_argument("preset", choices=sorted(PRESETS))
+    p.add_argument("dst")
+    p.add_argument("--experts", choices=FORMATS, default="nvfp4")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset (smoke tests)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="folder with the Qwen tokenizer files")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    try:
+        synth(a.preset, a.dst, a.experts, a.force, a.seed, a.tokenizer, layers=a.layers)
+    except (PackError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
