@@ -33,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--cache-policy", choices=("lru", "lfu", "decay"), default="lru")
     p.add_argument("--reader-threads", type=int, default=4)
     p.add_argument("--trace-out", metavar="FILE", help="record the routed experts per token and layer")
+    p.add_argument("--profile-out", metavar="FILE", help="record routed counts per (layer, expert)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     a = p.parse_args(argv)
     if a.max_new_tokens < 1:
@@ -56,8 +57,11 @@ def main(argv=None) -> int:
         from engine.runtime import TraceRecorder
         m = engine.load(model_dir, device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
                         cache_policy=a.cache_policy, reader_threads=a.reader_threads)
-        if a.trace_out:
-            m.model.on_route = rec = TraceRecorder(m.config.moe_layers)
+        from engine.profile import Observers, RoutingProfile
+        rec = TraceRecorder(m.config.moe_layers) if a.trace_out else None
+        prof = RoutingProfile(m.config.n_layers, m.config.n_experts) if a.profile_out else None
+        if rec or prof:
+            m.model.on_route = Observers(rec, prof)
         if a.prompt_ids is not None:
             try:
                 ids = [int(x) for x in a.prompt_ids.split(",") if x.strip()]
@@ -77,6 +81,8 @@ def main(argv=None) -> int:
                                               "n_experts": m.config.n_experts,
                                               "moe_layers": list(m.config.moe_layers),
                                               "block_bytes": getattr(m.experts, "block_bytes", 0)})
+    if a.profile_out:
+        prof.save(a.profile_out)
     if a.json:
         print(json.dumps({"prompt_ids": res.prompt_ids, "output_ids": res.output_ids, "text": res.text,
                           "finish_reason": res.finish_reason, "stats": s}))

@@ -8,7 +8,8 @@ per layer]} per token).
     python -m engine.trace simulate FILE --capacity-gb X --policy lru|lfu|decay|all [--block-bytes N]
 
 replays the trace against the cache policies of loader/cache.py and against Belady's optimum at
-the same capacity, with the cache's per-layer split of slots and with one global pool.
+the same capacity, with the cache's per-layer split of slots and with one global pool. Belady
+under the per-layer split picks the farthest next use within the layer the split picks.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.cache import POLICIES, make_policy, split_slots
+from loader.cache import POLICIES, Policy, SplitPolicy, make_policy
 
 
 class TraceError(ValueError):
@@ -100,86 +101,80 @@ def _load_jsonl(path: Path) -> tuple[np.ndarray, dict]:
 
 # ---- simulation ----------------------------------------------------------------------------
 
-def _groups(ids: np.ndarray, split: str, n_slots: int):
-    """(capacity, [groups of keys in access order]) per share. A group is one layer's top-k of
-    one token: requested together, so none of them may evict another."""
-    t_, l_, _ = ids.shape
-    if split == "layer":
-        caps = split_slots(n_slots, list(range(l_)))
-        return [(caps[l], [[(l, int(e)) for e in dict.fromkeys(ids[t, l].tolist())]
-                           for t in range(t_)]) for l in range(l_)]
-    if split == "global":
-        return [(n_slots, [[(l, int(e)) for e in dict.fromkeys(ids[t, l].tolist())]
-                           for t in range(t_) for l in range(l_)])]
-    raise ValueError(f"unknown split {split!r}; expected 'layer' or 'global'")
+class BeladyPolicy(Policy):
+    """Belady's optimum: evict the resident block whose next use is farthest away. The simulator
+    writes each key's next use into `next_use` before it accesses the key."""
+
+    name = "belady"
+
+    def __init__(self):
+        super().__init__()
+        self.next_use: dict = {}
+        self._heap: list = []                    # (-next use, key); stale entries skipped
+
+    def access(self, key) -> None:
+        heapq.heappush(self._heap, (-self.next_use[key], key))
+
+    def admit(self, key) -> None:
+        super().admit(key)
+        heapq.heappush(self._heap, (-self.next_use[key], key))
+
+    def victim(self, exclude=()):
+        kept, found = [], None
+        while self._heap:
+            neg, k = self._heap[0]
+            if k not in self._resident or self.next_use[k] != -neg:
+                heapq.heappop(self._heap)        # stale
+            elif k in exclude:
+                kept.append(heapq.heappop(self._heap))
+            else:
+                found = k
+                break
+        for item in kept:
+            heapq.heappush(self._heap, item)
+        return found
 
 
-def _check_capacity(cap: int, group: list) -> None:
-    if len(group) > cap:
-        raise TraceError(f"capacity too small: a share of {cap} slots cannot hold the "
-                         f"{len(group)} experts one layer requests at once")
+def simulate(ids: np.ndarray, n_slots: int, policy: str, split: str = "layer",
+             decay: float = 0.9) -> dict:
+    """Replay ids [T, L, K] through the cache's eviction logic (loader.cache.SplitPolicy), no I/O.
 
-
-def simulate_policy(ids: np.ndarray, n_slots: int, policy: str, split: str = "layer",
-                    decay: float = 0.9) -> dict:
-    """Replay ids [T, L, K] through the cache's policy classes; no I/O."""
-    hits = misses = 0
-    shares = _groups(ids, split, n_slots)
-    l_ = ids.shape[1]
-    for cap, groups in shares:
-        pol = make_policy(policy, decay)
-        per_token = l_ if split == "global" else 1   # groups per token step, for tick()
-        for g, group in enumerate(groups):
-            _check_capacity(cap, group)
-            for key in group:
-                pol.access(key)
-            missing = [k for k in group if k not in pol]
-            hits += len(group) - len(missing)
-            misses += len(missing)
-            for key in missing:
-                if len(pol) >= cap:
-                    pol.remove(pol.victim(group))
-                pol.admit(key)
-            if (g + 1) % per_token == 0:
-                pol.tick()
-    return {"hits": hits, "misses": misses, "hit_rate": hits / max(hits + misses, 1)}
-
-
-def simulate_belady(ids: np.ndarray, n_slots: int, split: str = "layer") -> dict:
-    """Belady's optimum: on a miss evict the resident block whose next use is farthest away."""
-    hits = misses = 0
-    for cap, groups in _groups(ids, split, n_slots):
-        nxt: list[dict] = [None] * len(groups)   # per group: key -> index of its next use
+    policy: lru | lfu | decay | belady. One layer's top-k of one token is requested at once, so
+    none of them may evict another, as in ExpertCache.get_many.
+    """
+    t_, l_, k_ = ids.shape
+    if n_slots < 1:
+        raise TraceError(f"capacity of {n_slots} slots holds no expert block")
+    make = BeladyPolicy if policy == "belady" else (lambda: make_policy(policy, decay))
+    sp = SplitPolicy(make, list(range(l_)), n_slots, split)
+    groups = [[(l, int(e)) for e in dict.fromkeys(ids[t, l].tolist())]
+              for t in range(t_) for l in range(l_)]
+    if max(len(g) for g in groups) > n_slots:
+        raise TraceError(f"capacity too small: {n_slots} slots cannot hold the "
+                         f"{max(len(g) for g in groups)} experts one layer requests at once")
+    if policy == "belady":
+        future: list[dict] = [None] * len(groups)   # per group: key -> group index of next use
         last: dict = {}
         for g in range(len(groups) - 1, -1, -1):
-            nxt[g] = {k: last.get(k, float("inf")) for k in groups[g]}
+            future[g] = {k: last.get(k, float("inf")) for k in groups[g]}
             for k in groups[g]:
                 last[k] = g
-        resident: dict = {}                      # key -> next use
-        heap: list = []                          # (-next use, key), stale entries skipped
-        for g, group in enumerate(groups):
-            _check_capacity(cap, group)
-            in_group = set(group)
+    hits = misses = 0
+    for g, group in enumerate(groups):
+        if policy == "belady":
             for key in group:
-                if key in resident:
-                    hits += 1
-                else:
-                    misses += 1
-                    if len(resident) >= cap:
-                        kept = []
-                        while True:
-                            neg, k = heapq.heappop(heap)
-                            if resident.get(k) != -neg:
-                                continue
-                            if k in in_group:
-                                kept.append((neg, k))
-                                continue
-                            del resident[k]
-                            break
-                        for item in kept:
-                            heapq.heappush(heap, item)
-                resident[key] = nxt[g][key]
-                heapq.heappush(heap, (-nxt[g][key], key))
+                sp.policies[key[0]].next_use[key] = future[g][key]
+        for key in group:
+            sp.access(key)
+        missing = [k for k in group if k not in sp]
+        hits += len(group) - len(missing)
+        misses += len(missing)
+        for key in missing:
+            if len(sp) >= n_slots:
+                sp.remove(sp.victim(key[0], group))
+            sp.admit(key)
+        if (g + 1) % l_ == 0:
+            sp.tick()
     return {"hits": hits, "misses": misses, "hit_rate": hits / max(hits + misses, 1)}
 
 
@@ -197,9 +192,8 @@ def _simulate_cmd(args) -> int:
     policies = POLICIES if args.policy == "all" else (args.policy,)
     rows = []
     for split in ("layer", "global"):
-        for p in policies:
-            rows.append((p, split, simulate_policy(ids, n_slots, p, split, args.decay)))
-        rows.append(("belady", split, simulate_belady(ids, n_slots, split)))
+        for p in (*policies, "belady"):
+            rows.append((p, split, simulate(ids, n_slots, p, split, args.decay)))
     print(f"{'policy':<8} {'split':<7} {'hit rate':>9} {'hits':>10} {'misses':>10}")
     for p, split, r in rows:
         print(f"{p:<8} {split:<7} {r['hit_rate']:>9.4f} {r['hits']:>10} {r['misses']:>10}")

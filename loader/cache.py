@@ -1,12 +1,14 @@
 """Host-RAM expert cache: a byte budget of pinned slots, filled by the reader, one block per slot.
 
-The slots are split evenly across the MoE layers and each layer evicts only within its share:
-decode visits layers in order, so one global LRU smaller than layers x top-k would evict every
-expert just before its layer comes round again and hit nothing. Eviction policies (LRU, LFU,
-decayed frequency) are classes shared with the trace simulator (engine/trace.py).
+Decode visits the MoE layers in order, so one global LRU smaller than layers x top-k evicts
+every expert just before its layer comes round again and hits nothing. Each layer therefore has
+its own policy and a quota (the slots split evenly across layers): a miss evicts within its own
+layer when that layer holds its quota, otherwise from the layer most over its quota. A request
+for more experts than the quota borrows slots for the moment and gives them back on later misses.
+Policies (LRU, LFU, decayed frequency) are classes shared with the trace simulator (engine/trace.py).
 
-Views returned by get / get_many / iter_ready stay valid until the next call naming the same
-layer (get, get_many, iter_ready or prefetch): until then their slots are pinned.
+Views returned by get / get_many / iter_ready stay valid until the next one of these calls:
+until then their slots are pinned. prefetch never evicts a pinned or loading block.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, as_completed
 from dataclasses import asdict, dataclass
-from typing import Hashable, Iterable, Iterator, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -153,6 +155,63 @@ def split_slots(n_slots: int, layers: Sequence[int]) -> dict[int, int]:
     return {layer: base + (1 if n < extra else 0) for n, layer in enumerate(layers)}
 
 
+class SplitPolicy:
+    """Per-layer policies over one pool of n_slots with per-layer quotas (split="layer"), or one
+    policy over all layers (split="global"). Keys are (layer, expert)."""
+
+    def __init__(self, make: Callable[[], Policy], layers: Sequence[int], n_slots: int,
+                 split: str = "layer"):
+        if split == "layer":
+            self.quota = split_slots(n_slots, list(layers))
+            self.policies = {layer: make() for layer in layers}
+        elif split == "global":
+            one = make()
+            self.quota = None
+            self.policies = {layer: one for layer in layers}
+        else:
+            raise ValueError(f"cache split {split!r}; expected 'layer' or 'global'")
+        self.split = split
+        self.n_slots = n_slots
+        self._distinct = list(dict.fromkeys(self.policies.values()))
+
+    def __contains__(self, key) -> bool:
+        return key in self.policies[key[0]]
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._distinct)
+
+    def access(self, key) -> None:
+        self.policies[key[0]].access(key)
+
+    def admit(self, key) -> None:
+        self.policies[key[0]].admit(key)
+
+    def remove(self, key) -> None:
+        self.policies[key[0]].remove(key)
+
+    def tick(self) -> None:
+        for p in self._distinct:
+            p.tick()
+
+    def victim(self, layer: int, exclude: Iterable = ()) -> Hashable | None:
+        """The key to evict to make room for one block of layer."""
+        exclude = exclude if isinstance(exclude, (set, frozenset, dict)) else set(exclude)
+        if self.quota is None:
+            return self._distinct[0].victim(exclude)
+        own = self.policies[layer]
+        if len(own) >= self.quota[layer]:
+            v = own.victim(exclude)
+            if v is not None:
+                return v
+        # the layer most over its quota gives one back
+        for other in sorted(self.policies, key=lambda x: len(self.policies[x]) - self.quota[x],
+                            reverse=True):
+            v = self.policies[other].victim(exclude)
+            if v is not None:
+                return v
+        return None
+
+
 # ---- the cache -----------------------------------------------------------------------------
 
 @dataclass
@@ -193,20 +252,6 @@ class _Entry:
         self.used = False
 
 
-class _Share:
-    """The slots of one layer (or of all layers when split="global")."""
-
-    def __init__(self, capacity: int, policy: Policy):
-        self.capacity = capacity
-        self.policy = policy
-        self.free: list[int] = []
-        self.entries: dict[tuple[int, int], _Entry] = {}
-        self.pins: dict[int, set] = {}    # layer -> keys of its last request
-
-    def pinned(self) -> set:
-        return set().union(*self.pins.values()) if self.pins else set()
-
-
 class ExpertCache:
     """ExpertCache(arena, reader, budget_bytes, n_layers, n_experts, policy="lru", verify=True)."""
 
@@ -218,46 +263,33 @@ class ExpertCache:
         self.n_experts = n_experts
         self.layers = list(range(n_layers)) if layers is None else [int(x) for x in layers]
         self.block_bytes = int(arena.block_record(self.layers[0], 0)["size"])
-        bb = self.block_bytes
-        self.n_slots = int(budget_bytes) // bb
+        self.n_slots = int(budget_bytes) // self.block_bytes
         if self.n_slots < 1:
             raise ValueError(f"expert cache budget {budget_bytes} bytes is smaller than one expert "
-                             f"block ({bb} bytes)")
+                             f"block ({self.block_bytes} bytes)")
         make_policy(policy, decay)  # validates the name before anything is allocated
-        if split == "layer":
-            per = split_slots(self.n_slots, self.layers)
-            if min(per.values()) < 1:
-                raise ValueError(f"expert cache budget {budget_bytes} bytes gives {self.n_slots} "
-                                 f"slots of {bb} bytes for {len(self.layers)} layers; it needs at "
-                                 f"least one slot per layer ({len(self.layers) * bb} bytes)")
-            self._shares = {layer: _Share(n, make_policy(policy, decay)) for layer, n in per.items()}
-        elif split == "global":
-            one = _Share(self.n_slots, make_policy(policy, decay))
-            self._shares = {layer: one for layer in self.layers}
-        else:
-            raise ValueError(f"expert cache split {split!r}; expected 'layer' or 'global'")
+        self.policy = SplitPolicy(lambda: make_policy(policy, decay), self.layers, self.n_slots, split)
         self.policy_name, self.split = policy, split
-        self.pool = PinnedPool(self.n_slots, bb, use_cuda=use_cuda)
-        slot = 0
-        for share in dict.fromkeys(self._shares.values()):   # distinct shares, in layer order
-            share.free = list(range(slot, slot + share.capacity))[::-1]
-            slot += share.capacity
+        self.pool = PinnedPool(self.n_slots, self.block_bytes, use_cuda=use_cuda)
+        self._free = list(range(self.n_slots))[::-1]
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._pins: set = set()              # keys of the last demand request
         self._cv = threading.Condition()
         self._stats = CacheStats()
         self._reader_base = reader.stats().busy_seconds
 
     # ---- lookups ----------------------------------------------------------------------------
 
-    def _share(self, layer: int) -> _Share:
-        try:
-            return self._shares[layer]
-        except KeyError:
-            raise KeyError(f"expert cache: layer {layer} has no experts (MoE layers: "
-                           f"{self.layers})") from None
+    def _check(self, layer: int, e: int) -> None:
+        if layer not in self.policy.policies:
+            raise KeyError(f"expert cache: layer {layer} has no experts (MoE layers: {self.layers})")
+        if not 0 <= e < self.n_experts:
+            raise IndexError(f"expert cache: expert {e} out of range 0..{self.n_experts - 1} "
+                             f"(layer {layer})")
 
     def contains(self, layer: int, expert: int) -> bool:
         with self._cv:
-            ent = self._share(layer).entries.get((layer, expert))
+            ent = self._entries.get((layer, expert))
             return ent is not None and ent.state == _READY
 
     def get(self, layer: int, expert: int) -> np.ndarray:
@@ -277,21 +309,17 @@ class ExpertCache:
         waiting: dict[Future, int] = {}
         ready: dict[int, np.ndarray] = {}
         with self._cv:
-            share = self._share(layer)
-            keys = [(layer, e) for e in dict.fromkeys(experts)]
-            if len(keys) > share.capacity:
-                raise ValueError(f"expert cache: layer {layer} asks for {len(keys)} experts at once "
-                                 f"but its share of the budget is {share.capacity} slots; raise "
-                                 f"the RAM budget")
             for e in experts:
-                if not 0 <= e < self.n_experts:
-                    raise IndexError(f"expert cache: expert {e} out of range 0..{self.n_experts - 1} "
-                                     f"(layer {layer})")
-            share.pins[layer] = set(keys)
+                self._check(layer, e)
+            keys = [(layer, e) for e in dict.fromkeys(experts)]
+            if len(keys) > self.n_slots:
+                raise ValueError(f"expert cache: layer {layer} asks for {len(keys)} experts at once "
+                                 f"but the budget holds {self.n_slots} blocks; raise the RAM budget")
+            self._pins = set(keys)
             st = self._stats
             for key in keys:
-                share.policy.access(key)
-                ent = share.entries.get(key)
+                self.policy.access(key)
+                ent = self._entries.get(key)
                 if ent is not None and ent.state == _READY:
                     st.hits += 1
                     if ent.prefetched and not ent.used:
@@ -305,7 +333,7 @@ class ExpertCache:
                     ent.used = True
                     self.reader.promote(ent.read)
                 else:
-                    ent = self._start_read(share, key, demand=True)
+                    ent = self._start_read(key, demand=True)
                 waiting[ent.done] = key[1]
         for idx, e in enumerate(experts):
             if e in ready:
@@ -323,19 +351,18 @@ class ExpertCache:
                 self._stats.stall_seconds += time.perf_counter() - t0
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> int:
-        """Start reads of experts not resident, without blocking or evicting pinned or loading
-        blocks; returns how many reads were queued. Reads queue behind every demand read."""
+        """Start reads of experts not resident, without blocking and without evicting pinned or
+        loading blocks; returns how many reads were queued. They queue behind every demand read."""
         n = 0
         with self._cv:
-            share = self._share(layer)
-            share.pins.pop(layer, None)
             for e in dict.fromkeys(int(x) for x in experts):
+                self._check(layer, e)
                 key = (layer, e)
-                if key in share.entries or not 0 <= e < self.n_experts:
+                if key in self._entries:
                     continue
-                if not share.free and share.policy.victim(share.pinned()) is None:
+                if not self._free and self.policy.victim(layer, self._pins) is None:
                     break
-                self._start_read(share, key, demand=False)
+                self._start_read(key, demand=False)
                 self._stats.prefetches += 1
                 n += 1
         return n
@@ -343,47 +370,49 @@ class ExpertCache:
     def tick(self) -> None:
         """One token step: decayed-frequency counts shrink by the decay factor."""
         with self._cv:
-            for share in dict.fromkeys(self._shares.values()):
-                share.policy.tick()
+            self.policy.tick()
 
     # ---- slots and reads (called with the lock held) -----------------------------------------
 
-    def _take_slot(self, share: _Share, demand: bool) -> int:
+    def _take_slot(self, layer: int, demand: bool) -> int:
         while True:
-            if share.free:
-                return share.free.pop()
-            victim = share.policy.victim(share.pinned())
+            if self._free:
+                return self._free.pop()
+            victim = self.policy.victim(layer, self._pins)
             if victim is not None:
-                ent = share.entries.pop(victim)
-                share.policy.remove(victim)
+                ent = self._entries.pop(victim)
+                self.policy.remove(victim)
                 self._stats.evictions += 1
                 return ent.slot
             # every unpinned slot is loading a prefetch: cancel one that has not started, or wait
-            loading = [(k, ent) for k, ent in share.entries.items()
-                       if ent.state == _LOADING and ent.prefetched and k not in share.pinned()]
+            loading = [ent for k, ent in self._entries.items()
+                       if ent.state == _LOADING and ent.prefetched and k not in self._pins]
             if not demand or not loading:
-                raise RuntimeError("expert cache: no slot can be freed in this layer's share")
-            if any(self.reader.cancel(ent.read) for _, ent in loading):
+                raise RuntimeError("expert cache: no slot can be freed (all pinned or loading)")
+            if any(self.reader.cancel(ent.read) for ent in loading):
                 continue  # the cancel callback (_landed, same thread) returned the slot
             self._cv.wait()
 
-    def _start_read(self, share: _Share, key: tuple[int, int], demand: bool) -> _Entry:
-        slot = self._take_slot(share, demand)
+    def _start_read(self, key: tuple[int, int], demand: bool) -> _Entry:
+        slot = self._take_slot(key[0], demand)
         ent = _Entry(slot, prefetched=not demand)
-        share.entries[key] = ent
+        self._entries[key] = ent
         rec = self.arena.block_record(*key)
         ent.read = self.reader.read(key[0], key[1], rec["offset"], rec["size"],
                                     self.pool.view(slot), demand=demand)
-        ent.read.add_done_callback(lambda f, s=share, k=key, en=ent: self._landed(s, k, en, f))
+        ent.read.add_done_callback(lambda f, k=key, en=ent: self._landed(k, en, f))
         return ent
 
-    def _landed(self, share: _Share, key: tuple[int, int], ent: _Entry, read: Future) -> None:
-        """Reader thread: a read finished; verify it and make it resident (or drop it)."""
+    def _drop(self, key, ent: _Entry) -> None:
+        if self._entries.get(key) is ent:
+            del self._entries[key]
+            self._free.append(ent.slot)
+
+    def _landed(self, key: tuple[int, int], ent: _Entry, read: Future) -> None:
+        """Reader thread (or a cancelling thread): verify the block and make it resident."""
         if read.cancelled():
             with self._cv:
-                if share.entries.get(key) is ent:
-                    del share.entries[key]
-                    share.free.append(ent.slot)
+                self._drop(key, ent)
                 self._cv.notify_all()
             ent.done.cancel()
             return
@@ -397,13 +426,11 @@ class ExpertCache:
         with self._cv:
             if err is None:
                 ent.state = _READY
-                share.policy.admit(key)
+                self.policy.admit(key)
                 self._stats.bytes_read += self.block_bytes
             else:
                 self._stats.read_errors += 1
-                if share.entries.get(key) is ent:
-                    del share.entries[key]
-                    share.free.append(ent.slot)
+                self._drop(key, ent)
             self._cv.notify_all()
         if err is None:
             ent.done.set_result(view)
@@ -427,14 +454,12 @@ class ExpertCache:
     def resident(self) -> list[tuple[int, int]]:
         """(layer, expert) of every ready block."""
         with self._cv:
-            return [k for share in dict.fromkeys(self._shares.values())
-                    for k, ent in share.entries.items() if ent.state == _READY]
+            return [k for k, ent in self._entries.items() if ent.state == _READY]
 
     def close(self) -> None:
         """Cancel queued prefetches, wait for reads in flight, free the slots."""
         with self._cv:
-            loading = [ent.read for share in dict.fromkeys(self._shares.values())
-                       for ent in share.entries.values() if ent.state == _LOADING]
+            loading = [ent.read for ent in self._entries.values() if ent.state == _LOADING]
         pending = [f for f in loading if not self.reader.cancel(f)]
         for f in pending:
             try:

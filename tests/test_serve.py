@@ -216,28 +216,34 @@ def test_stop_matcher_holds_back_partial_matches():
 
 # ---- concurrency and disconnects -------------------------------------------------------------------
 
-def test_two_clients_served_in_order(slow):
-    times = {}
+def test_two_clients_served_in_order(slow, ref):
+    got = {"a": [], "b": []}           # (arrival time, content) per chunk
 
-    def run(tag, started=None):
-        stream = slow.client().chat.completions.create(model=NAME, messages=HELLO, max_tokens=30,
-                                                       temperature=0, stream=True)
-        for i, _ in enumerate(stream):
-            if i == 0:
-                times[tag + "_first"] = time.monotonic()
-                if started:
-                    started.set()
-        times[tag + "_last"] = time.monotonic()
+    def run(tag, max_tokens):
+        for chunk in slow.client().chat.completions.create(model=NAME, messages=HELLO, max_tokens=max_tokens,
+                                                           temperature=0, stream=True):
+            if chunk.choices:
+                got[tag].append((time.monotonic(), chunk.choices[0].delta.content))
 
-    a_started = threading.Event()
-    a = threading.Thread(target=run, args=("a", a_started))
+    a = threading.Thread(target=run, args=("a", 100))      # 1 s at 10 ms a token
     a.start()
-    assert a_started.wait(10)
-    b = threading.Thread(target=run, args=("b",))
+    deadline = time.monotonic() + 10
+    while not got["a"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    b = threading.Thread(target=run, args=("b", 20))
     b.start()
+    while slow.metrics()["queue_depth"] != 1:              # b waits behind a ...
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert a.is_alive() and got["b"] == []                 # ... and hears nothing yet
     a.join(10)
     b.join(10)
-    assert times["a_last"] <= times["b_first"], times    # b's generation began after a's ended
+    a_text = [t for t, c in got["a"] if c]
+    b_text = [t for t, c in got["b"] if c]
+    assert a_text[-1] < b_text[0]                          # b's first token came after a's last
+    want = ref.generate(chat_ids(ref, HELLO), 20).text
+    assert "".join(c or "" for _, c in got["b"]) == want
     slow.wait_idle()
 
 

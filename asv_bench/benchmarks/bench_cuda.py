@@ -1,0 +1,295 @@
+"""CUDA kernels on the GPU at real model shapes, next to the HBM bandwidth measured in the same run.
+
+Expert MLP: L layers, each with its own K routed experts in distinct bank slots (the bank is
+several times the L2, so every replay reads weights from HBM), run eagerly (one Python launch
+per kernel) and as one captured CUDA graph. Weight GB/s = bytes of the experts' blocks that the
+kernels read / time; the bound is the device-to-device copy bandwidth (and saxpy) measured here.
+Dense layer: one Qwen3-30B-A3B decoder layer (norms, bf16 q/k/v/o, rope, decode attention at
+position 2047, router, top-8 NVFP4 experts), eager vs graph, microseconds.
+
+Without a GPU every setup raises NotImplementedError (asv marks the benchmark skipped).
+Run directly on a GPU machine: python asv_bench/benchmarks/bench_cuda.py [out.json]
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 8), "qwen3-next-80b": (2048, 512, 10),
+          "2560x640-top10": (2560, 640, 10)}
+LAYERS = 16
+REPS = 20
+
+
+def _need_gpu():
+    from numba import config, cuda
+    if config.ENABLE_CUDASIM or not cuda.is_available():
+        raise NotImplementedError("needs a CUDA GPU")
+
+
+def _time_ms(stream, fn, reps):
+    from numba import cuda
+    fn()                                   # warm
+    stream.synchronize()
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(stream)
+    for _ in range(reps):
+        fn()
+    e1.record(stream)
+    e1.synchronize()
+    return cuda.event_elapsed_time(e0, e1) / reps
+
+
+def hbm_copy_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    from numba import cuda
+    stream = cuda.stream()
+    src = cuda.device_array(nbytes, np.uint8)
+    dst = cuda.device_array(nbytes, np.uint8)
+    ms = _time_ms(stream, lambda: dst.copy_to_device(src, stream=stream), 10)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+_saxpy = None
+
+
+def saxpy_gbs(n: int = 1 << 28) -> float:
+    global _saxpy
+    from numba import cuda, float32
+    if _saxpy is None:
+        @cuda.jit
+        def k(a, x, y):
+            i = cuda.grid(1)
+            if i < x.shape[0]:
+                y[i] = a * x[i] + y[i]
+        _saxpy = k
+    stream = cuda.stream()
+    x = cuda.device_array(n, np.float32)
+    y = cuda.device_array(n, np.float32)
+    ms = _time_ms(stream, lambda: _saxpy[(n + 255) // 256, 256, stream](float32(2.0), x, y), 10)
+    return 3 * 4 * n / (ms * 1e-3) / 1e9
+
+
+def expert_weight_bytes(fmt: str, h: int, i: int) -> int:
+    from loader.layout import matrix_bytes
+    return 12 + sum(sum(matrix_bytes(fmt, r, c)) for r, c in ((i, h), (i, h), (h, i)))
+
+
+class ExpertSetup:
+    """L layers of K experts each in distinct slots of one bank, plus their graph."""
+
+    def __init__(self, fmt, h, i, k, layers=LAYERS):
+        from numba import cuda
+        from engine.graphs import capture_fn
+        from kernels_numba import gpu_experts as ge
+        from loader.layout import ExpertLayout
+        self.fmt, self.k, self.layers = fmt, k, layers
+        lay = ExpertLayout.build(fmt, h, i)
+        self.lh = lay.as_array()
+        s = layers * k
+        rng = np.random.default_rng(0)
+        bank = rng.integers(0, 256, size=(s, lay.block_bytes), dtype=np.uint8)
+        bank[:, :12] = np.frombuffer(np.ones(3, np.float32).tobytes(), np.uint8)
+        if fmt == "nvfp4":   # keep scales finite: E4M3 codes below 0x78
+            for off, rows, cols in ((lay.gate_s, i, lay.hp // 16), (lay.up_s, i, lay.hp // 16),
+                                    (lay.down_s, h, lay.ip // 16)):
+                bank[:, off:off + rows * cols] &= 0x77
+        if fmt == "fp8":
+            bank[:, lay.gate_q:lay.down_s] &= 0x77
+            for off, rows in ((lay.gate_s, i), (lay.up_s, i), (lay.down_s, h)):
+                bank[:, off:off + rows * 4] = np.frombuffer(
+                    np.full(rows, 0.01, np.float32).tobytes(), np.uint8)
+        self.bank = cuda.to_device(bank)
+        del bank
+        self.views = ge.bank_views(self.bank)
+        self.dlay = cuda.to_device(self.lh)
+        perm = rng.permutation(s).astype(np.int32)
+        self.slots = [cuda.to_device(perm[l * k:(l + 1) * k]) for l in range(layers)]
+        self.wts = cuda.to_device(np.full(k, 1.0 / k, np.float32))
+        self.x = cuda.to_device(rng.standard_normal(h).astype(np.float32) * 0.01)
+        self.act = cuda.device_array((k, i), np.float32)
+        self.out = cuda.device_array(h, np.float32)
+        self.stream = cuda.stream()
+        self.bytes_per_layer = k * expert_weight_bytes(fmt, h, i)
+        self.graph = capture_fn(self.run_eager, self.stream)
+
+    def run_eager(self, stream=None):
+        from kernels_numba import gpu_experts as ge
+        st = stream or self.stream
+        for l in range(self.layers):
+            ge.expert_mlp(self.fmt, self.views, self.dlay, self.lh, self.slots[l], self.wts,
+                          self.x, self.act, self.out, st)
+
+    def layer_us(self, graph: bool) -> float:
+        fn = (lambda: self.graph.launch(self.stream)) if graph else self.run_eager
+        return _time_ms(self.stream, fn, REPS) * 1e3 / self.layers
+
+
+class DenseLayerSetup:
+    """One Qwen3-30B-A3B decoder layer for decode (T = 1), bf16 dense weights, NVFP4 experts."""
+
+    def __init__(self, h=2048, hq=32, hkv=4, d=128, e=128, k=8, i=768, s_max=4096, pos=2047):
+        from numba import cuda
+        from engine.graphs import capture_fn
+        from kernels_numba import gpu_attention as ga
+        rng = np.random.default_rng(1)
+
+        def bf16(*shape):
+            return cuda.to_device((rng.integers(0, 1 << 16, size=shape, dtype=np.uint32)
+                                   & 0xBCFF).astype(np.uint16))   # finite, |w| < 1
+        self.h, self.hq, self.hkv, self.d = h, hq, hkv, d
+        self.wqkv = bf16((hq + 2 * hkv) * d, h)
+        self.wo = bf16(h, hq * d)
+        self.wr = bf16(e, h)
+        self.n1 = cuda.to_device(np.ones(h, np.float32))
+        self.n2 = cuda.to_device(np.ones(h, np.float32))
+        self.qn = cuda.to_device(np.ones(d, np.float32))
+        self.kn = cuda.to_device(np.ones(d, np.float32))
+        self.inv_freq = cuda.to_device((1.0 / (1e6 ** (np.arange(0, d, 2) / d))).astype(np.float32))
+        self.kc = cuda.to_device(rng.standard_normal((s_max, hkv, d)).astype(np.float32))
+        self.vc = cuda.to_device(rng.standard_normal((s_max, hkv, d)).astype(np.float32))
+        self.pos = cuda.to_device(np.array([pos], np.int32))
+        self.x = cuda.to_device(rng.standard_normal((1, h)).astype(np.float32))
+        self.xn = cuda.device_array((1, h), np.float32)
+        self.qkv = cuda.device_array((hq + 2 * hkv) * d, np.float32)      # [q | k | v]
+        self.q = self.qkv[:hq * d].reshape(1, hq, d)
+        self.knew = self.qkv[hq * d:(hq + hkv) * d].reshape(1, hkv, d)
+        self.attn = cuda.device_array((1, hq, d), np.float32)
+        self.o = cuda.device_array((1, h), np.float32)
+        self.logits = cuda.device_array((1, e), np.float32)
+        self.ids = cuda.device_array((1, k), np.int32)
+        self.rw = cuda.device_array((1, k), np.float32)
+        self.parts = ga.alloc_partials(1, hq, d, s_max)
+        self.experts = ExpertSetup("nvfp4", h, i, k, layers=1)
+        self.stream = cuda.stream()
+        self.graph = capture_fn(self.run_eager, self.stream)
+
+    def run_eager(self, stream=None):
+        from kernels_numba import gpu_attention as ga
+        from kernels_numba import gpu_dense as gd
+        from kernels_numba import gpu_experts as ge
+        from kernels_numba import gpu_sampling as gs
+        st = stream or self.stream
+        hq, hkv, d = self.hq, self.hkv, self.d
+        gd.rmsnorm(self.x, self.n1, 1e-6, self.xn, st)
+        gd.linear(self.wqkv, self.xn, self.qkv.reshape(1, self.qkv.shape[0]), st)
+        # q / k head norms and rope on the projected q and the new k (the cache write of the
+        # new k / v is left out: a 1 KB copy)
+        gd.rmsnorm(self.q.reshape(hq, d), self.qn, 1e-6, self.q.reshape(hq, d), st)
+        gd.rmsnorm(self.knew.reshape(hkv, d), self.kn, 1e-6, self.knew.reshape(hkv, d), st)
+        gd.rope(self.q, self.pos, self.inv_freq, st)
+        gd.rope(self.knew, self.pos, self.inv_freq, st)
+        ga.attention(self.q, self.kc, self.vc, self.pos, d ** -0.5, self.attn, self.parts, st)
+        gd.linear(self.wo, self.attn.reshape(1, hq * d), self.o, st)
+        gd.add(self.x.reshape(self.h), self.o.reshape(self.h), self.x.reshape(self.h), st)
+        gd.rmsnorm(self.x, self.n2, 1e-6, self.xn, st)
+        gd.linear(self.wr, self.xn, self.logits, st)
+        gs.router_topk(self.logits, True, self.ids, self.rw, st)
+        ex = self.experts
+        ge.expert_mlp("nvfp4", ex.views, ex.dlay, ex.lh, ex.slots[0], self.rw.reshape(-1),
+                      self.xn.reshape(self.h), ex.act, self.x.reshape(self.h), st,
+                      accumulate=True)
+
+    def layer_us(self, graph: bool) -> float:
+        fn = (lambda: self.graph.launch(self.stream)) if graph else self.run_eager
+        return _time_ms(self.stream, fn, REPS) * 1e3
+
+
+# ---- asv suites -------------------------------------------------------------------------------
+
+class HBM:
+    timeout = 300
+
+    def setup(self):
+        _need_gpu()
+
+    def track_copy_gbs(self):
+        return hbm_copy_gbs()
+    track_copy_gbs.unit = "GB/s"
+
+    def track_saxpy_gbs(self):
+        return saxpy_gbs()
+    track_saxpy_gbs.unit = "GB/s"
+
+
+class ExpertMLP:
+    params = (["nvfp4", "fp8", "bf16"], list(SHAPES))
+    param_names = ["format", "shape"]
+    timeout = 600
+
+    def setup(self, fmt, shape):
+        _need_gpu()
+        self.s = ExpertSetup(fmt, *SHAPES[shape])
+
+    def track_graph_gbs(self, fmt, shape):
+        return self.s.bytes_per_layer / (self.s.layer_us(True) * 1e-6) / 1e9
+    track_graph_gbs.unit = "GB/s"
+
+    def track_eager_gbs(self, fmt, shape):
+        return self.s.bytes_per_layer / (self.s.layer_us(False) * 1e-6) / 1e9
+    track_eager_gbs.unit = "GB/s"
+
+    def track_graph_us(self, fmt, shape):
+        return self.s.layer_us(True)
+    track_graph_us.unit = "us"
+
+
+class DenseLayer:
+    timeout = 600
+
+    def setup(self):
+        _need_gpu()
+        self.s = DenseLayerSetup()
+
+    def track_graph_us(self):
+        return self.s.layer_us(True)
+    track_graph_us.unit = "us"
+
+    def track_eager_us(self):
+        return self.s.layer_us(False)
+    track_eager_us.unit = "us"
+
+
+def main(out_path=None):
+    _need_gpu()
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    res["copy_gbs"] = hbm_copy_gbs()
+    res["saxpy_gbs"] = saxpy_gbs()
+    print(f"HBM: d2d copy {res['copy_gbs']:.0f} GB/s, saxpy {res['saxpy_gbs']:.0f} GB/s", flush=True)
+    rows = []
+    for fmt in ("nvfp4", "fp8", "bf16"):
+        for name, (h, i, k) in SHAPES.items():
+            t0 = time.time()
+            s = ExpertSetup(fmt, h, i, k)
+            ge_us, gg_us = s.layer_us(False), s.layer_us(True)
+            b = s.bytes_per_layer
+            row = dict(fmt=fmt, shape=name, h=h, i=i, k=k, mb_per_layer=b / 1e6,
+                       eager_us=ge_us, graph_us=gg_us, eager_gbs=b / ge_us / 1e3,
+                       graph_gbs=b / gg_us / 1e3)
+            row["graph_over_copy"] = row["graph_gbs"] / res["copy_gbs"]
+            row["graph_over_saxpy"] = row["graph_gbs"] / res["saxpy_gbs"]
+            rows.append(row)
+            print(f"experts {fmt:5s} {name:15s} {b / 1e6:6.1f} MB/layer  eager {ge_us:7.1f} us "
+                  f"{row['eager_gbs']:6.0f} GB/s | graph {gg_us:7.1f} us {row['graph_gbs']:6.0f} GB/s"
+                  f" = {row['graph_over_copy']:.2f} of copy, {row['graph_over_saxpy']:.2f} of saxpy"
+                  f"  ({time.time() - t0:.0f}s)", flush=True)
+            del s
+    res["experts"] = rows
+    d = DenseLayerSetup()
+    res["dense_layer_eager_us"] = d.layer_us(False)
+    res["dense_layer_graph_us"] = d.layer_us(True)
+    res["dense_layer_nodes"] = d.graph.nodes
+    print(f"Qwen3-30B-A3B decoder layer (T=1, pos 2047, bf16 dense, nvfp4 top-8): eager "
+          f"{res['dense_layer_eager_us']:.1f} us, graph {res['dense_layer_graph_us']:.1f} us "
+          f"({d.graph.nodes} nodes)", flush=True)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)

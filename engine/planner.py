@@ -1,0 +1,90 @@
+"""The planner: turns --vram-gb / --ram-gb into sizes for each tier, or says what would fit.
+
+VRAM holds, in this order of need: the dense weights, the KV cache, the run state (activations,
+attention partials), two slot banks of one layer's routed experts each (so the next layer's
+copies overlap this layer's compute), then as many hot experts as the rest allows. The host
+RAM cache gets the RAM budget. Nothing here allocates: it is arithmetic, testable on any machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GB = 1e9
+RESERVE_BYTES = 256 << 20   # CUDA context, kernel modules, allocator slack
+
+
+class PlanError(ValueError):
+    """The budget cannot hold the minimum; the message says what minimum would."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    vram_budget: int
+    ram_budget: int
+    dense_bytes: int             # dense weights resident in VRAM
+    kv_bytes: int                # KV cache (+ recurrent state) for max_context tokens
+    run_state_bytes: int         # activations and scratch
+    block_bytes: int             # one expert block
+    bank_slots: int              # streaming slots: two banks of top_k each
+    hot_slots: int               # experts kept resident by profile rank
+    total_experts: int
+    ram_slots: int               # host-RAM cache capacity in blocks
+    notes: tuple = field(default=())
+
+    @property
+    def vram_slots(self) -> int:
+        return self.bank_slots + self.hot_slots
+
+    @property
+    def vram_used(self) -> int:
+        return (RESERVE_BYTES + self.dense_bytes + self.kv_bytes + self.run_state_bytes
+                + self.vram_slots * self.block_bytes)
+
+    @property
+    def all_resident(self) -> bool:
+        return self.hot_slots >= self.total_experts
+
+    def describe(self) -> str:
+        def gb(n):
+            return f"{n / GB:.2f} GB"
+        streamed = max(self.total_experts - self.hot_slots, 0)
+        lines = [
+            f"plan: VRAM {gb(self.vram_used)} of {gb(self.vram_budget)} | RAM cache "
+            f"{gb(self.ram_slots * self.block_bytes)} of {gb(self.ram_budget)}",
+            f"  VRAM: dense {gb(self.dense_bytes)}, KV cache {gb(self.kv_bytes)}, run state "
+            f"{gb(self.run_state_bytes)}, slot banks 2 x {self.bank_slots // 2} experts "
+            f"({gb(self.bank_slots * self.block_bytes)}), hot set {self.hot_slots} of "
+            f"{self.total_experts} experts ({gb(self.hot_slots * self.block_bytes)})",
+            f"  streamed: {streamed} experts ({gb(streamed * self.block_bytes)}) through a RAM cache "
+            f"of {self.ram_slots} blocks ({min(self.ram_slots, streamed)} of them fit) from the arena",
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def plan(*, vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, run_state_bytes: int,
+         block_bytes: int, top_k: int, total_experts: int, hot_limit: int | None = None) -> Plan:
+    """Size every tier; raise PlanError naming the minimum when the budget is too small."""
+    vram = int(vram_gb * GB)
+    ram = int(ram_gb * GB)
+    bank_slots = 2 * top_k
+    need = RESERVE_BYTES + dense_bytes + kv_bytes + run_state_bytes + bank_slots * block_bytes
+    if need > vram:
+        raise PlanError(
+            f"--vram-gb {vram_gb:g} cannot hold the minimum of {need / GB:.2f} GB: dense weights "
+            f"{dense_bytes / GB:.2f} GB + KV cache {kv_bytes / GB:.2f} GB + run state "
+            f"{run_state_bytes / GB:.2f} GB + two slot banks of {top_k} experts "
+            f"{bank_slots * block_bytes / GB:.2f} GB + {RESERVE_BYTES / GB:.2f} GB reserve "
+            f"(lower --max-context to shrink the KV cache)")
+    hot = min(total_experts, (vram - need) // block_bytes)
+    if hot_limit is not None:
+        hot = min(hot, hot_limit)
+    ram_slots = ram // block_bytes
+    notes = []
+    if hot >= total_experts:
+        notes.append("every expert fits in VRAM: nothing is streamed after the first read")
+    elif ram_slots < top_k:
+        raise PlanError(f"--ram-gb {ram_gb:g} holds {ram_slots} expert blocks; one layer's "
+                        f"{top_k} routed experts need at least {top_k * block_bytes / GB:.3f} GB")
+    return Plan(vram, ram, dense_bytes, kv_bytes, run_state_bytes, block_bytes, bank_slots, int(hot),
+                total_experts, int(ram_slots), tuple(notes))
