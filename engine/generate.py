@@ -30,6 +30,10 @@ def parse_args(argv=None):
     p.add_argument("--ram-gb", type=float, default=None,
                    help="host-RAM expert cache budget for packed models (default: fits the arena, "
                         "at most half the available RAM)")
+    p.add_argument("--vram-gb", type=float, default=None,
+                   help="GPU memory budget (default: 90%% of what is free)")
+    p.add_argument("--hot-from", metavar="FILE", help="fill the VRAM hot set from a routing profile")
+    p.add_argument("--prefill-batch", type=int, default=32, help="experts fetched per prefill batch")
     p.add_argument("--cache-policy", choices=("lru", "lfu", "decay"), default="lru")
     p.add_argument("--reader-threads", type=int, default=4)
     p.add_argument("--trace-out", metavar="FILE", help="record the routed experts per token and layer")
@@ -56,7 +60,8 @@ def main(argv=None) -> int:
             model_dir = a.model
         from engine.runtime import TraceRecorder
         m = engine.load(model_dir, device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
-                        cache_policy=a.cache_policy, reader_threads=a.reader_threads)
+                        cache_policy=a.cache_policy, reader_threads=a.reader_threads,
+                        vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch)
         from engine.profile import Observers, RoutingProfile
         rec = TraceRecorder(m.config.moe_layers) if a.trace_out else None
         prof = RoutingProfile(m.config.n_layers, m.config.n_experts) if a.profile_out else None

@@ -63,7 +63,8 @@ NAMES: dict[str, dict[str, str]] = {
     },
     "qwen3_next": _HYBRID,
     "qwen3_5_moe_text": _HYBRID,
-    # the image-text wrapper (Qwen3_5MoeForConditionalGeneration): the language model under model.language_model.
+    # the image-text wrapper (Qwen3_5MoeForConditionalGeneration): its language model, under
+    # model.language_model.
     "qwen3_5_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _HYBRID.items()},
 }
 

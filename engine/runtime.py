@@ -85,6 +85,12 @@ class ArenaExperts:
     def fetch(self, layer: int, ids) -> list:
         return [(self.fmt, b, self.lay) for b in self.cache.get_many(layer, [int(e) for e in ids])]
 
+    def get(self, layer: int, expert: int) -> np.ndarray:
+        return self.cache.get(layer, expert)
+
+    def contains(self, layer: int, expert: int) -> bool:
+        return self.cache.contains(layer, expert)
+
     def stats(self) -> dict:
         return {"source": "arena", "format": self.fmt, "ram_budget_bytes": self.budget,
                 **self.cache.stats_dict()}
@@ -105,6 +111,39 @@ def _available_ram() -> int:
     return 8 << 30
 
 
+class CheckpointBlocks:
+    """Expert blocks (bf16) built on demand from a checkpoint, for the cuda backend."""
+
+    def __init__(self, ck: Checkpoint, family: str, layout):
+        self.ck, self.family, self.layout = ck, family, layout
+
+    def contains(self, layer: int, expert: int) -> bool:
+        return False
+
+    def get(self, layer: int, expert: int) -> np.ndarray:
+        from loader.quant import encode_expert_block
+        g, u, d = (self.ck.get_f32(n) for n in expert_names(self.family, layer, expert))
+        return encode_expert_block("bf16", self.layout, g, u, d, f"layer {layer} expert {expert}")
+
+
+def _dense_keys(c):
+    """(engine key, layer) of every dense weight of a llama-like family."""
+    from engine.names import NAMES
+    keys = [("embed", None), ("final_norm", None)]
+    if not c.tie_embeddings:
+        keys.append(("lm_head", None))
+    per = ["attn_norm", "mlp_norm", "q", "k", "v", "o"]
+    if c.attention_bias:
+        per += ["q_bias", "k_bias", "v_bias"]
+    if c.qk_norm != "none":
+        per += ["q_norm", "k_norm"]
+    for l in range(c.n_layers):
+        keys += [(k, l) for k in per]
+        keys += [(k, l) for k in (["router"] if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
+    assert all(k in NAMES[c.family] for k, _ in keys)
+    return keys
+
+
 class TraceRecorder:
     """Collects the routed expert ids of every token and MoE layer: int32 [T, L_moe, K]."""
 
@@ -123,34 +162,48 @@ class TraceRecorder:
         return np.concatenate(self.rows, axis=0) if self.rows else np.zeros((0, len(self.col), 0), np.int32)
 
 
-def pick_device(device: str) -> str:
-    """auto -> cuda when a GPU works, cpu otherwise (saying which on stderr)."""
-    if device == "cpu":
-        return "cpu"
-    reason = "the CUDA backend is not built into this version's decode path yet"
+def cuda_status() -> tuple[bool, str]:
+    """(works, why not): whether a CUDA GPU is usable through numba-cuda."""
     try:
         from numba import cuda
-        if not cuda.is_available():
-            reason = "no working CUDA GPU found"
+        if cuda.is_available():
+            return True, ""
+        return False, "no working CUDA GPU found"
     except Exception as e:  # numba-cuda missing or broken driver: say why, run on the CPU
-        reason = f"CUDA unavailable ({type(e).__name__}: {e})"
+        return False, f"CUDA unavailable ({type(e).__name__}: {e})"
+
+
+GPU_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def pick_device(device: str, family: str) -> str:
+    """auto -> cuda when a GPU works and the family runs there, cpu otherwise (saying which)."""
+    if device == "cpu":
+        return "cpu"
+    ok, reason = cuda_status()
+    if ok and family not in GPU_FAMILIES:
+        ok, reason = False, f"the cuda backend does not run {family} yet"
     if device == "cuda":
-        raise RuntimeError(f"--device cuda: {reason}")
-    print(f"device auto: using cpu ({reason})", file=sys.stderr)
-    return "cpu"
+        if not ok:
+            raise RuntimeError(f"--device cuda: {reason}")
+        return "cuda"
+    print(f"device auto: using {'cuda' if ok else 'cpu'}" + ("" if ok else f" ({reason})"),
+          file=sys.stderr)
+    return "cuda" if ok else "cpu"
 
 
 class Engine:
     def __init__(self, model: str | os.PathLike, device: str = "auto", max_context: int | None = None,
                  on_route: Callable | None = None, ram_gb: float | None = None,
-                 cache_policy: str = "lru", reader_threads: int = 4):
-        self.device = pick_device(device)
+                 cache_policy: str = "lru", reader_threads: int = 4, vram_gb: float | None = None,
+                 hot_from: str | None = None, prefill_batch: int = 32):
         from kernels_numba.cpu import CpuOps
         self.ops = ops = CpuOps()
         ck = self.checkpoint = Checkpoint(model)
         self.dir: Path = ck.dir
         fam = family_of(ck.config)
         self.config = c = fam.config
+        self.device = pick_device(device, c.family)
         for prefix, what in getattr(c, "ignored_parts", ()):   # e.g. a vision tower, MTP layers
             n = sum(1 for t in ck.tensors if t.startswith(prefix))
             if n:
@@ -166,7 +219,11 @@ class Engine:
         else:
             self.consumed |= ck.require(fam.expert_spec)
             self.experts = CheckpointExperts(ck, c.family, ops)
-        self.model = fam.model_cls(c, ops, self._weight, self.experts, on_route)
+        self.max_context = int(max_context or min(c.max_position, 4096))
+        if self.device == "cuda":
+            self.model = self._gpu_decoder(fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route)
+        else:
+            self.model = fam.model_cls(c, ops, self._weight, self.experts, on_route)
         gen = ck.json_file("generation_config.json")
         eos = gen.get("eos_token_id", None)
         if eos is None:
@@ -174,8 +231,49 @@ class Engine:
         else:
             self.eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
         self.generation_defaults = gen
-        self.max_context = int(max_context or min(c.max_position, 4096))
         self.state = None
+
+    def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route):
+        """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py)."""
+        from numba import cuda
+
+        from engine.gpu import PREFILL_CHUNK, GpuDecoder
+        from engine.planner import plan
+        from loader.layout import ExpertLayout
+        c = self.config
+        if self.packed:
+            layout, host = self.experts.arena.layout, self.experts
+        else:  # experts straight from the checkpoint: bf16 blocks built on demand
+            layout = ExpertLayout.build("bf16", c.hidden, c.moe_intermediate)
+            host = CheckpointBlocks(self.checkpoint, c.family, layout)
+        if vram_gb is None:
+            try:
+                vram_gb = 0.9 * cuda.current_context().get_memory_info()[0] / 1e9
+            except (AttributeError, NotImplementedError):
+                vram_gb = float("nan")
+            if not np.isfinite(vram_gb):  # the simulator reports no real memory
+                vram_gb = 1.0
+        vram = vram_gb
+        ram = ram_gb if ram_gb is not None else getattr(self.experts, "budget", 0) / 1e9
+        dense_bytes = sum(np.asarray(w).nbytes for w in self._dense.values())
+        kv = 2 * c.n_layers * self.max_context * c.kv_dim * 4
+        a = PREFILL_CHUNK * c.top_k
+        run_state = 4 * (PREFILL_CHUNK * (6 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts)
+                         + a * (c.moe_intermediate + c.hidden) + c.vocab_size * 2)
+        total_experts = len(c.moe_layers) * c.n_experts
+        self.plan = p = plan(vram_gb=vram, ram_gb=max(ram, 1e-9) if self.packed else 1e6,
+                             dense_bytes=dense_bytes, kv_bytes=kv, run_state_bytes=run_state,
+                             block_bytes=layout.block_bytes, top_k=c.top_k, total_experts=total_experts)
+        print(p.describe(), file=sys.stderr)
+        dec = GpuDecoder(c, self._weight, host, p, layout, on_route, prefill_batch)
+        dec.upload_all([(k, l) for k, l in _dense_keys(c)])
+        if hot_from:
+            from engine.profile import RoutingProfile
+            prof = RoutingProfile.load(hot_from, c.n_layers, c.n_experts)
+            n = dec.res.pin_hot(prof.hot_set(p.hot_slots, c.moe_layers))
+            print(f"hot set: {n} experts pinned in VRAM by profile rank ({hot_from})", file=sys.stderr)
+        self.gpu = dec
+        return dec
 
     def _weight(self, key: str, layer: int | None = None):
         return self._dense[name(self.config.family, key, layer)]
@@ -234,6 +332,8 @@ class Engine:
             stats["decode_tokens"] += 1
         stats["decode_tok_s"] = stats["decode_tokens"] / max(stats["decode_s"], 1e-9)
         stats["experts"] = self.experts.stats()
+        if self.device == "cuda":
+            stats["vram"] = self.gpu.res.stats.as_dict()
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, on_text: Callable | None = None,

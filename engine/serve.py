@@ -58,8 +58,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        kind = self.TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
@@ -169,7 +169,8 @@ def _sampling(body: dict, model: ServedModel, prompt_len: int, default_max: int 
     elif prompt_len + max_tokens > model.max_context:
         raise ApiError(400, f"This model's maximum context length is {model.max_context} tokens, but "
                             f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
-                            f"{max_tokens} in '{key}'). Set '{key}' to at most {room}, or shorten the prompt.",
+                            f"{max_tokens} in '{key}'). Set '{key}' to at most {room}, or shorten the "
+                            "prompt.",
                        param=key, code="context_length_exceeded")
     return GenerationParams(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                             top_p=float(top_p), seed=seed)
@@ -203,11 +204,12 @@ def _message_text(m: dict, i: int) -> str | None:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            if not isinstance(text, str):
                 kind = part.get("type") if isinstance(part, dict) else _json_type(part)
                 raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported "
                                     f"(got {kind!r})", param=f"messages[{i}].content")
-            texts.append(part["text"])
+            texts.append(text)
         return "\n".join(texts)
     raise ApiError(400, f"'messages[{i}].content' must be a string or an array of text parts, "
                         f"got {_json_type(content)}", param=f"messages[{i}].content")
@@ -222,7 +224,8 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
     msgs = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ApiError(400, f"'messages[{i}]' must be an object, got {_json_type(m)}", param=f"messages[{i}]")
+            raise ApiError(400, f"'messages[{i}]' must be an object, got {_json_type(m)}",
+                           param=f"messages[{i}]")
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise ApiError(400, f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
@@ -239,7 +242,8 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
     kwargs = _field(body, "chat_template_kwargs", "object", {})
     clash = [k for k in kwargs if k in TEMPLATE_RESERVED]
     if clash:
-        raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(clash)}", param="chat_template_kwargs")
+        raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(clash)}",
+                       param="chat_template_kwargs")
     stop = _stop_strings(body)
     stream, include_usage = _stream_flags(body)
     try:
@@ -316,7 +320,7 @@ class StopMatcher:
 
 class Job:
     """One admitted request. The worker thread reports to the event loop through `events`:
-    ("start", None), ("text", str), ("end", finish_reason), ("error", message), ("gone", None)."""
+    ("start", None), ("text", str), ("end", "stop" | "length"), ("error", message), ("gone", None)."""
 
     def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop):
         self.req, self.loop = req, loop
@@ -415,8 +419,6 @@ class Worker:
             try:
                 self._run(job)
             except Exception as e:  # an engine failure ends this request, not the server
-                with self.cond:
-                    self.metrics.requests_failed_total += 1
                 job.emit("error", f"generation failed: {type(e).__name__}: {e}")
             finally:
                 with self.cond:
@@ -424,14 +426,14 @@ class Worker:
 
     def _run(self, job: Job):
         eng, req = self.engine, job.req
-        stats: dict = {}
-        dec, stop = StreamDecoder(eng.tokenizer), StopMatcher(req.stop)
-        finish = None                       # None at the end = cancelled
-        t0 = time.perf_counter()
         if job.cancel.is_set():             # the client left between the queue and here
             with self.cond:
                 self.metrics.requests_cancelled_total += 1
             return
+        stats: dict = {}
+        dec, stop = StreamDecoder(eng.tokenizer), StopMatcher(req.stop)
+        outcome = "cancelled"               # unless the loop ends by itself: "stop" or "length"
+        t0 = time.perf_counter()
         job.emit("start")
         gen = eng.stream(req.prompt_ids, req.params, stats)
         try:
@@ -441,29 +443,33 @@ class Worker:
                 if text:
                     job.emit("text", text)
                 if hit:
-                    finish = "stop"
+                    outcome = "stop"
                     break
                 if job.cancel.is_set():
                     break
             else:
-                finish = stats["finish_reason"]
                 text, hit = stop.push(dec.flush())
                 text += "" if hit else stop.flush()
                 if text:
                     job.emit("text", text)
-                finish = "stop" if hit else finish
+                outcome = "stop" if hit else stats["finish_reason"]
+        except Exception:
+            outcome = "failed"
+            raise
         finally:
             gen.close()                     # ends the engine's loop
             eng.state = None                # frees the KV cache
-            self._account(job, stats, finish, time.perf_counter() - t0)
-        job.emit("end" if finish else "gone", finish)
+            self._account(job, stats, outcome, time.perf_counter() - t0)
+        job.emit("gone" if outcome == "cancelled" else "end", outcome)
 
-    def _account(self, job: Job, stats: dict, finish: str | None, wall_s: float):
+    def _account(self, job: Job, stats: dict, outcome: str, wall_s: float):
         m, n = self.metrics, job.completion_tokens
         experts = stats["experts"] if "experts" in stats else self.engine.experts.stats()
         with self.cond:
-            if finish is None:
+            if outcome == "cancelled":
                 m.requests_cancelled_total += 1
+            elif outcome == "failed":
+                m.requests_failed_total += 1
             else:
                 m.requests_completed_total += 1
             m.prompt_tokens_total += len(job.req.prompt_ids)
@@ -471,7 +477,7 @@ class Worker:
             m.last_prompt_tokens, m.last_completion_tokens = len(job.req.prompt_ids), n
             m.last_prefill_tok_s = float(stats.get("prefill_tok_s", 0.0))
             m.last_decode_tok_s = stats.get("decode_tokens", 0) / max(stats.get("decode_s", 0.0), 1e-9)
-            m.last_wall_s, m.last_finish_reason = wall_s, finish or "cancelled"
+            m.last_wall_s, m.last_finish_reason = wall_s, outcome
             m.experts = experts
 
 
@@ -500,7 +506,8 @@ class Server:
             return
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if not ok:
             raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
@@ -683,7 +690,8 @@ def create_app(engine, model_name: str, api_key: str | None = None, queue_size: 
               Route("/health", srv.health, methods=["GET"]),
               Route("/metrics", srv.metrics, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error})
+                    exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                        Exception: server_error})
     app.state.server = srv
     return app
 
@@ -694,7 +702,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder or repo id in the local HF cache "
                                    "(default: the embedded demo model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

@@ -43,7 +43,8 @@ def conv1d_silu(x, w, state, out):
 
 @njit(parallel=True, cache=True)
 def deltanet_gates(b, a, neg_a, dt_bias, beta, g):
-    """b, a [T, Nv]; neg_a = -exp(A_log), dt_bias [Nv] -> beta = sigmoid(b), g = neg_a * softplus(a + dt_bias).
+    """b, a [T, Nv]; neg_a = -exp(A_log), dt_bias [Nv]
+    -> beta = sigmoid(b), g = neg_a * softplus(a + dt_bias), [T, Nv] each.
 
     g is the log decay of the state per token (<= 0); softplus passes x through above 20, as torch does.
     """

@@ -74,6 +74,37 @@ def _dec_nvfp4(w, tab, v):
     v[15] = tab[hi >> _S28]
 
 
+_X80000000, _X01C00000 = np.uint32(0x80000000), np.uint32(0x01C00000)
+_S2, _S6, _S10, _S14, _S18, _S22 = (np.uint32(2), np.uint32(6), np.uint32(10), np.uint32(14),
+                                    np.uint32(18), np.uint32(22))
+TWO_POW_126 = float32(2.0 ** 126)
+
+
+@cuda.jit(device=True, inline=True)
+def _e2m1x(sign, mag):
+    return int_as_float((sign & _X80000000) | (mag & _X01C00000)) * TWO_POW_126
+
+
+@cuda.jit(device=True, inline=True)
+def _e2m1_word(w, v, o):
+    """8 E2M1 nibbles of w -> v[o:o+8], arithmetically: sign to bit 31, the 3 magnitude bits
+    to bits 24..22 make float32 2^-126 * value (e = 0 lands on a subnormal, exact), times 2^126."""
+    v[o + 0] = _e2m1x(w << _S28, w << _S22)
+    v[o + 1] = _e2m1x(w << _S24, w << _S18)
+    v[o + 2] = _e2m1x(w << _S20, w << _S14)
+    v[o + 3] = _e2m1x(w << _S16, w << _S10)
+    v[o + 4] = _e2m1x(w << _S12, w << _S6)
+    v[o + 5] = _e2m1x(w << _S8, w << _S2)
+    v[o + 6] = _e2m1x(w << _S4, w >> _S2)
+    v[o + 7] = _e2m1x(w, w >> _S6)
+
+
+@cuda.jit(device=True, inline=True)
+def _dec_nvfp4_arith(w, tab, v):
+    _e2m1_word(uint32(w & M32), v, 0)
+    _e2m1_word(uint32(w >> 32), v, 8)
+
+
 @cuda.jit(device=True, inline=True)
 def _e4m3(b):
     """E4M3 byte (uint32) -> float32, arithmetically: exact, subnormals too (NaN codes not
@@ -127,13 +158,18 @@ def _rs_one(bankf, slot, soff, r):
 
 _PARTS = {
     "nvfp4": (_dec_nvfp4, _cs_nvfp4, _rs_one),
+    "nvfp4-arith": (_dec_nvfp4_arith, _cs_nvfp4, _rs_one),   # same data, E2M1 decoded by ALU
     "fp8": (_dec_fp8, _cs_one, _rs_fp8),
     "bf16": (_dec_bf16, _cs_one, _rs_one),
 }
 
 
-def _make_kernels(fmt: str):
-    CW = CHUNK[fmt]
+def _make_kernels(fmt: str, min_blocks: int = 0):
+    """The four expert kernels of one format (or decode variant, e.g. "nvfp4-arith");
+    min_blocks > 0 adds launch bounds (THREADS, min_blocks), capping registers so that many
+    blocks fit on an SM."""
+    CW = CHUNK[fmt.split("-")[0]]
+    jit = cuda.jit(launch_bounds=(THREADS, min_blocks)) if min_blocks and not SIM else cuda.jit
     CP = CW + 1  # shared stride per chunk: lanes reading consecutive chunks hit distinct banks
     decode, chunk_scale, row_scale = _PARTS[fmt]
 
@@ -153,7 +189,7 @@ def _make_kernels(fmt: str):
             acc += v[t] * xs[base + t]
         return acc
 
-    @cuda.jit
+    @jit
     def gate_up(bank64, bank8, bankf, lay, slots, x, act):
         """x float32 [H] -> act float32 [K, I]; grid (cdiv(I, 2 * warps), K)."""
         xs = cuda.shared.array(0, float32)            # [Hs / CW * CP]
@@ -223,7 +259,7 @@ def _make_kernels(fmt: str):
                 u = acc_ub * gu * row_scale(bankf, slot, lay[3], rb)
                 act[kk, r0 + 1] = silu(g) * u
 
-    @cuda.jit
+    @jit
     def down(bank64, bank8, bankf, lay, slots, weights, act, out, accumulate):
         """act float32 [K, I] -> out float32 [H] (+= when accumulate); grid cdiv(H, 2 * warps)."""
         As = cuda.shared.array(0, float32)            # [K * Is / CW * CP]
@@ -283,7 +319,7 @@ def _make_kernels(fmt: str):
             if r0 + 1 < H:
                 out[r0 + 1] = ob + (out[r0 + 1] if accumulate else float32(0.0))
 
-    @cuda.jit
+    @jit
     def grouped_gate_up(bank64, bank8, bankf, lay, gslot, gstart, order, x, act):
         """x float32 [T, H] -> act float32 [A, I] (row a = assignment a in expert order).
 
@@ -368,7 +404,7 @@ def _make_kernels(fmt: str):
                             uv = acc[4 * tt + 3] * gu * row_scale(bankf, slot, lay[3], rb)
                             act[a, r0 + 1] = silu(gv) * uv
 
-    @cuda.jit
+    @jit
     def grouped_down(bank64, bank8, bankf, lay, gslot, gstart, wts, act, y):
         """act float32 [A, I] -> y float32 [A, H] = wts[a] * down @ act[a]; grid (cdiv(H, 2*warps), G)."""
         As = cuda.shared.array(0, float32)            # [TT, Is / CW * CP]
@@ -450,7 +486,15 @@ def combine_kernel(y, pos, out, accumulate):
         out[t, h] = s + (out[t, h] if accumulate else float32(0.0))
 
 
-_KERNELS = {fmt: _make_kernels(fmt) for fmt in CHUNK}
+_KERNELS = {}
+
+
+def get_kernels(fmt: str, min_blocks: int = 0):
+    """(gate_up, down, grouped_gate_up, grouped_down) for fmt; built once per variant."""
+    key = (fmt, min_blocks)
+    if key not in _KERNELS:
+        _KERNELS[key] = _make_kernels(fmt, min_blocks)
+    return _KERNELS[key]
 
 
 # ---- host side ---------------------------------------------------------------------------------
@@ -494,20 +538,35 @@ def down_grid(lay_host: np.ndarray) -> int:
     return cdiv(int(lay_host[6]), ROWS_PER_WARP * THREADS // WARP)
 
 
-def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, accumulate=False):
+def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="", min_blocks=0):
+    """x float32 [H] -> act float32 [K, I] for the K experts in slots int32 [K]."""
+    gate_up = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks)[0]
+    b64, b8, bf = views
+    gate_up[gate_up_grid(lay_host, slots.shape[0]), THREADS, stream,
+            gate_up_shared_bytes(fmt, lay_host)](b64, b8, bf, lay, slots, x, act)
+
+
+def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, accumulate=False,
+                variant="", min_blocks=0):
+    """act float32 [K, I] -> out float32 [H] = (out if accumulate) + sum_k weights[k] * down_k."""
+    down = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks)[1]
+    b64, b8, bf = views
+    down[down_grid(lay_host), THREADS, stream, down_shared_bytes(fmt, lay_host, slots.shape[0])](
+        b64, b8, bf, lay, slots, weights, act, out, int32(1 if accumulate else 0))
+
+
+def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, accumulate=False,
+               variant="", min_blocks=0):
     """One token through its K routed experts: two launches, nothing allocated, no sync.
 
     views: bank_views(bank); lay int64 [10] device, lay_host its numpy copy (shapes only);
     slots int32 [K], weights float32 [K], x float32 [H], act float32 [K, I] scratch,
     out float32 [H]. Safe to capture in a CUDA graph: routing lives in slots / weights.
+    variant "arith" decodes NVFP4 values with integer ops instead of a shared-memory table.
     """
-    gate_up, down, _, _ = _KERNELS[fmt]
-    b64, b8, bf = views
-    k = slots.shape[0]
-    gate_up[gate_up_grid(lay_host, k), THREADS, stream, gate_up_shared_bytes(fmt, lay_host)](
-        b64, b8, bf, lay, slots, x, act)
-    down[down_grid(lay_host), THREADS, stream, down_shared_bytes(fmt, lay_host, k)](
-        b64, b8, bf, lay, slots, weights, act, out, int32(1 if accumulate else 0))
+    expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant, min_blocks)
+    expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, accumulate,
+                variant, min_blocks)
 
 
 def group_assignments(ids: np.ndarray, weights: np.ndarray, slot_of):
@@ -534,7 +593,7 @@ def group_assignments(ids: np.ndarray, weights: np.ndarray, slot_of):
 def expert_mlp_grouped(fmt, views, lay, lay_host, gslot, gstart, order, wts, pos, x, act, y,
                        out, stream, accumulate=False):
     """T tokens (prefill): x [T, H] -> out [T, H]; act [A, I], y [A, H] scratch (A = T*K)."""
-    _, _, ggu, gdn = _KERNELS[fmt]
+    _, _, ggu, gdn = get_kernels(fmt)
     b64, b8, bf = views
     g = gslot.shape[0]
     ggu[gate_up_grid(lay_host, g), THREADS, stream, gate_up_shared_bytes(fmt, lay_host, TT)](

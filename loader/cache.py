@@ -21,6 +21,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from loader.arena import ArenaFile
 from loader.pinned import PinnedPool
 
 POLICIES = ("lru", "lfu", "decay")
@@ -261,7 +262,9 @@ class ExpertCache:
         self.arena, self.reader = arena, reader
         self.verify = verify
         self.n_experts = n_experts
-        self.layers = list(range(n_layers)) if layers is None else [int(x) for x in layers]
+        if layers is None:  # the layers that hold experts: an ArenaFile knows, else all of them
+            layers = arena.moe_layers if isinstance(arena, ArenaFile) else range(n_layers)
+        self.layers = [int(x) for x in layers]
         self.block_bytes = int(arena.block_record(self.layers[0], 0)["size"])
         self.n_slots = int(budget_bytes) // self.block_bytes
         if self.n_slots < 1:

@@ -33,13 +33,14 @@ def test_cli_streams_text_and_stops_at_eos(tmp_path):
     with torch.no_grad():
         first = ref.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
-    # make the third greedy token the EOS id: generation must stop there
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": first[2]}))
+    # make the third greedy token the EOS id: generation must stop at its first occurrence
+    eos = first[2]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     r = subprocess.run([sys.executable, "-m", "engine.generate", "--model", str(tmp_path),
                         "--prompt-ids", "5,6,7", "--max-new-tokens", "20", "--device", "cpu", "--json"],
                        capture_output=True, text=True, timeout=300)
     out = json.loads(r.stdout)
-    assert out["output_ids"] == first[:3]
+    assert out["output_ids"] == first[:first.index(eos) + 1]
     assert out["finish_reason"] == "stop"
     r = subprocess.run([sys.executable, "-m", "engine.generate", "--model", str(tmp_path),
                         "--prompt", "hi", "--max-new-tokens", "5", "--device", "cpu"],

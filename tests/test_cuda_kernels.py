@@ -69,7 +69,7 @@ def make_bank(fmt, h, i, slots, rng, scale=0.05):
     return cuda.to_device(np.stack(blocks)), lay, ws
 
 
-def check_experts(fmt, h, i, k, slots, rng, bank=None):
+def check_experts(fmt, h, i, k, slots, rng, bank=None, variant=""):
     from kernels_numba import gpu_experts as ge
     stream = cuda.stream()
     if bank is None:
@@ -84,10 +84,10 @@ def check_experts(fmt, h, i, k, slots, rng, bank=None):
     act = _nan((k, i))
     out = _nan(h)
     ge.expert_mlp(fmt, views, cuda.to_device(lh), lh, cuda.to_device(sl), cuda.to_device(w),
-                  cuda.to_device(x), act, out, stream)
+                  cuda.to_device(x), act, out, stream, variant=variant)
     stream.synchronize()
     exp = ref.moe(x[None], sl[None], w[None], ws)[0]
-    e1 = _close(out.copy_to_host(), exp, what=f"expert_mlp {fmt}")
+    e1 = _close(out.copy_to_host(), exp, what=f"expert_mlp {fmt} {variant}")
     base = rng.standard_normal(h).astype(np.float32)          # accumulate into out
     out2 = cuda.to_device(base)
     ge.expert_mlp(fmt, views, cuda.to_device(lh), lh, cuda.to_device(sl), cuda.to_device(w),
@@ -258,6 +258,8 @@ def run_sim_checks() -> None:
     for fmt in ("nvfp4", "fp8", "bf16"):
         check_experts(fmt, 48, 32, 3, 4, rng)
         print(f"ok experts {fmt} {time.time() - t0:.0f}s", flush=True)
+    check_experts("nvfp4", 32, 16, 2, 3, rng, variant="arith")
+    print(f"ok experts nvfp4-arith {time.time() - t0:.0f}s", flush=True)
     for fmt in ("nvfp4", "bf16"):
         check_experts_grouped(fmt, 32, 16, 2, 3, 4, rng)
         print(f"ok grouped {fmt} {time.time() - t0:.0f}s", flush=True)
@@ -293,7 +295,12 @@ FORMATS = ["nvfp4", "fp8", "bf16"]
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("h,i,k", SHAPES)
 def test_experts_gpu(fmt, h, i, k):
-    check_experts(fmt, h, i, k, k + 4, np.random.default_rng(1))
+    rng = np.random.default_rng(1)
+    bank = make_bank(fmt, h, i, k + 4, rng)
+    check_experts(fmt, h, i, k, k + 4, rng, bank=bank)
+    if fmt == "nvfp4":
+        check_experts(fmt, h, i, k, k + 4, rng, bank=bank, variant="arith")
+        check_experts(fmt, h, i, k, k + 4, rng, bank=bank, variant="")
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _bank(fmt, h, i, n, rng):
-    from tests.test_cuda_kernels import make_bank
+    from test_cuda_kernels import make_bank
     return make_bank(fmt, h, i, n, rng)
 
 

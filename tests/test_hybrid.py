@@ -34,11 +34,12 @@ VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_
               spatial_merge_size=1, temporal_patch_size=1, out_hidden_size=48, num_position_embeddings=16)
 
 
-def build(dst, family: str, seed: int = 0, **over):
+def build(dst, family: str, seed: int = 0, dtype: str = "float32", **over):
     """Save a random transformers model of the family (wider-than-default init) + byte tokenizer.
 
     family: qwen3_next | qwen3_5_moe_text (Qwen3_5MoeForCausalLM) | qwen3_5_moe (the image-text
-    wrapper with a tiny vision tower). Returns the model in eval mode, fp32.
+    wrapper with a tiny vision tower). Saved in dtype; returns the model in eval mode, in fp32
+    (bf16 weights upcast: the reference for a bf16 checkpoint).
     """
     import transformers as tf
     kw = {**BASE, **over}
@@ -47,7 +48,8 @@ def build(dst, family: str, seed: int = 0, **over):
     elif family == "qwen3_5_moe_text":
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**kw))
     elif family == "qwen3_5_moe":
-        model = tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(text_config=kw, vision_config=VISION))
+        cfg = tf.Qwen3_5MoeConfig(text_config=kw, vision_config=VISION)
+        model = tf.Qwen3_5MoeForConditionalGeneration(cfg)
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
@@ -59,8 +61,9 @@ def build(dst, family: str, seed: int = 0, **over):
                 p.normal_(1.0, 0.1)
             else:
                 p.normal_(0.0, 0.1)
-    model = model.float().eval()
+    model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(dst)
+    model = model.float()
     byte_level_tokenizer().save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return model
@@ -159,6 +162,22 @@ def test_qwen35_wrapper_skips_vision_and_mtp(tmp_path, capfd):
     assert rel_err(m.logits(ids), hf_logits(hf, ids)) < 1e-4
 
 
+def test_bf16_wrapper_packs_and_streams(tmp_path):
+    """A bf16 Qwen3.5 wrapper: the checkpoint matches transformers on the same weights, and its
+    packed folder (experts found by expert_names, read from the arena) gives the same tokens."""
+    from engine.pack import pack
+    src = tmp_path / "src"
+    hf = build(src, "qwen3_5_moe", dtype="bfloat16")
+    pack(src, tmp_path / "packed", "bf16", progress=False)
+    ids = ids_for(16)
+    a = engine.load(src, device="cpu")
+    assert rel_err(a.logits(ids), hf_logits(hf, ids)) < 1e-4
+    b = engine.load(tmp_path / "packed", device="cpu")
+    assert b.experts.stats()["source"] == "arena"
+    want = a.generate(ids[:5].tolist(), max_new_tokens=16).output_ids
+    assert b.generate(ids[:5].tolist(), max_new_tokens=16).output_ids == want
+
+
 def test_routed_experts_stream_through_fetch(tmp_path):
     """Routed experts are in expert_spec under expert_names (the packer's contract), never in
     dense_spec, and reach the model only through experts.fetch; the shared expert is dense."""
@@ -178,7 +197,8 @@ def test_routed_experts_stream_through_fetch(tmp_path):
 def test_config_errors_name_the_field(tmp_path):
     build(tmp_path, "qwen3_5_moe_text", num_hidden_layers=2, layer_types=[L, F])
     cfg = json.loads((tmp_path / "config.json").read_text())
-    with pytest.raises(ConfigError, match="linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"):
+    msg = "linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"
+    with pytest.raises(ConfigError, match=msg):
         family_of({**cfg, "linear_num_value_heads": 3})
     with pytest.raises(ConfigError, match="layer_types must list 2 entries"):
         family_of({**cfg, "layer_types": [L]})

@@ -17,7 +17,6 @@ import engine
 from engine.demo import DEMO_CONFIG, build_random_qwen3_moe
 from engine.runtime import Engine
 from engine.serve import StopMatcher, create_app
-from engine.tokenizer import StreamDecoder
 
 NAME = "tiny-moe"
 CONFIG = dict(DEMO_CONFIG, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -28,15 +27,31 @@ CHATML = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t |
           "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 HELLO = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
-SLOW_S = 0.01   # per token, for the queue and disconnect tests
+SLOW_S = 0.02   # per token, for the queue and disconnect tests
 
 
 class SlowEngine(Engine):
-    """The engine with a pause per token, so a request is still running when the test acts."""
+    """The engine with a pause per token, so a request is still running when the test acts.
+    yielded: the time.monotonic() of every token it handed over."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.yielded: list[float] = []
 
     def stream(self, prompt_ids, params, stats=None):
         for tid in super().stream(prompt_ids, params, stats):
             time.sleep(SLOW_S)
+            self.yielded.append(time.monotonic())
+            yield tid
+
+
+class FailingEngine(Engine):
+    """The engine breaking after three tokens."""
+
+    def stream(self, prompt_ids, params, stats=None):
+        for i, tid in enumerate(super().stream(prompt_ids, params, stats)):
+            if i == 3:
+                raise RuntimeError("expert fetch failed")
             yield tid
 
 
@@ -52,7 +67,7 @@ class ServerThread:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not self.server.started:
             assert time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.01)
@@ -63,12 +78,12 @@ class ServerThread:
 
     def client(self, **kw) -> openai.OpenAI:
         kw.setdefault("api_key", "unused")
-        return openai.OpenAI(base_url=self.url + "/v1", max_retries=0, timeout=30, **kw)
+        return openai.OpenAI(base_url=self.url + "/v1", max_retries=0, timeout=120, **kw)
 
     def metrics(self) -> dict:
         return httpx.get(self.url + "/metrics").json()
 
-    def wait_idle(self, timeout=5.0) -> dict:
+    def wait_idle(self, timeout=30.0) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
@@ -134,7 +149,8 @@ def test_models_and_health(srv):
 def test_chat_equals_engine(srv, ref, temperature, seed):
     want = ref.generate(chat_ids(ref, HELLO), 40, temperature, seed=seed)
     c = srv.client()
-    r = c.chat.completions.create(model=NAME, messages=HELLO, max_tokens=40, temperature=temperature, seed=seed)
+    r = c.chat.completions.create(model=NAME, messages=HELLO, max_tokens=40, temperature=temperature,
+                                  seed=seed)
     assert r.choices[0].message.content == want.text
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == want.finish_reason
@@ -161,15 +177,23 @@ def test_stream_include_usage(srv, ref):
                                  stream_options={"include_usage": True})
     last = chunks[-1]
     assert last.choices == []
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(want.prompt_ids), len(want.output_ids))
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == \
+        (len(want.prompt_ids), len(want.output_ids))
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
 def test_tools_reach_the_template(srv, ref):
     tools = [{"type": "function", "function": {"name": "get_time", "description": "Current time",
                                                "parameters": {"type": "object", "properties": {}}}}]
-    r = srv.client().chat.completions.create(model=NAME, messages=HELLO, tools=tools, max_tokens=1, temperature=0)
+    r = srv.client().chat.completions.create(model=NAME, messages=HELLO, tools=tools, max_tokens=1,
+                                             temperature=0)
     assert r.usage.prompt_tokens == len(chat_ids(ref, HELLO, tools)) > len(chat_ids(ref, HELLO))
+
+
+def test_text_parts_are_joined(srv, ref):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi."}]}]
+    r = srv.client().chat.completions.create(model=NAME, messages=parts, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == len(chat_ids(ref, [{"role": "user", "content": "Say\nhi."}]))
 
 
 def test_completions(srv, ref):
@@ -225,9 +249,9 @@ def test_two_clients_served_in_order(slow, ref):
             if chunk.choices:
                 got[tag].append((time.monotonic(), chunk.choices[0].delta.content))
 
-    a = threading.Thread(target=run, args=("a", 100))      # 1 s at 10 ms a token
+    a = threading.Thread(target=run, args=("a", 40))       # 0.8 s at 20 ms a token
     a.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not got["a"]:
         assert time.monotonic() < deadline
         time.sleep(0.005)
@@ -237,8 +261,8 @@ def test_two_clients_served_in_order(slow, ref):
         assert time.monotonic() < deadline
         time.sleep(0.005)
     assert a.is_alive() and got["b"] == []                 # ... and hears nothing yet
-    a.join(10)
-    b.join(10)
+    a.join(120)
+    b.join(120)
     a_text = [t for t, c in got["a"] if c]
     b_text = [t for t, c in got["b"] if c]
     assert a_text[-1] < b_text[0]                          # b's first token came after a's last
@@ -255,7 +279,7 @@ def test_queue_full_is_503(slow):
     b_out = {}
 
     def waiting_client():
-        with httpx.stream("POST", slow.url + "/v1/chat/completions", timeout=30,
+        with httpx.stream("POST", slow.url + "/v1/chat/completions", timeout=120,
                           json={"model": NAME, "messages": HELLO, "max_tokens": 5, "stream": True}) as r:
             b_ready.set()
             b_out["lines"] = [ln for ln in r.iter_lines() if ln]
@@ -263,7 +287,7 @@ def test_queue_full_is_503(slow):
     b = threading.Thread(target=waiting_client)
     b.start()
     assert b_ready.wait(10)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while slow.metrics()["queue_depth"] != 1:
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -271,33 +295,29 @@ def test_queue_full_is_503(slow):
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "queue_full"
     a.close()                                              # a leaves: b runs next
-    b.join(10)
+    b.join(120)
     assert b_out["lines"][-1] == "data: [DONE]"
     slow.wait_idle()
 
 
-def test_disconnect_stops_generation(slow, ref):
+def tokens_after(slow, t: float) -> int:
+    """How many tokens the slow server's engine handed over after time t."""
+    return sum(1 for y in slow.app.state.server.engine.yielded if y > t)
+
+
+def test_disconnect_stops_generation(slow):
     before = slow.wait_idle()
     stream = slow.client().chat.completions.create(model=NAME, messages=HELLO, max_tokens=400,
                                                    temperature=0, stream=True)
-    seen = ""
-    for i, chunk in enumerate(stream):
-        seen += chunk.choices[0].delta.content
+    for i, _ in enumerate(stream):
         if i == 5:
             break
+    t_close = time.monotonic()
     stream.close()
     after = slow.wait_idle()
     assert after["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
-    assert after["last_finish_reason"] == "cancelled"
-    # the tokens behind the text the client saw, replayed from the same greedy run
-    dec, text = StreamDecoder(ref.tokenizer), ""
-    for sent, tid in enumerate(ref.generate(chat_ids(ref, HELLO), 40).output_ids, 1):
-        text += dec.push(tid)
-        if text == seen:
-            break
-    assert text == seen
-    # at 10 ms a token, 400 tokens is 4 s: the server stopped one token after the close (+ jitter)
-    assert sent <= after["last_completion_tokens"] <= sent + 3, (sent, after)
+    assert after["last_finish_reason"] == "cancelled" and after["last_completion_tokens"] < 400
+    assert tokens_after(slow, t_close) <= 2      # the one in flight (+ one for scheduling jitter)
     time.sleep(5 * SLOW_S)
     assert slow.metrics()["completion_tokens_total"] == after["completion_tokens_total"]
 
@@ -305,11 +325,13 @@ def test_disconnect_stops_generation(slow, ref):
 def test_disconnect_while_waiting_for_a_whole_answer(slow):
     before = slow.wait_idle()
     with pytest.raises(httpx.ReadTimeout):      # the client gives up on a non-streamed request
-        httpx.post(slow.url + "/v1/chat/completions", timeout=0.2,
+        httpx.post(slow.url + "/v1/chat/completions", timeout=0.3,
                    json={"model": NAME, "messages": HELLO, "max_tokens": 400, "temperature": 0})
+    t_close = time.monotonic()
     after = slow.wait_idle()
     assert after["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
-    assert after["last_completion_tokens"] < 40, after       # 0.2 s is about 20 tokens
+    assert after["last_finish_reason"] == "cancelled" and after["last_completion_tokens"] < 400
+    assert tokens_after(slow, t_close) <= 2
 
 
 def test_metrics(srv, ref):
@@ -337,9 +359,13 @@ MSG = [{"role": "user", "content": "hi"}]
     ({"model": "gpt-4o", "messages": MSG}, 404, "model", "The model 'gpt-4o' does not exist"),
     ({"model": NAME}, 400, "messages", "'messages' is required"),
     ({"model": NAME, "messages": "hi"}, 400, "messages", "'messages' must be an array, got string"),
-    ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "must be one of"),
+    ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
+     "must be one of"),
     ({"model": NAME, "messages": [{"role": "user"}]}, 400, "messages[0].content", "is required"),
-    ({"model": NAME, "messages": MSG, "max_tokens": "10"}, 400, "max_tokens", "must be an integer, got string"),
+    ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content", "only text parts are supported (got 'image_url')"),
+    ({"model": NAME, "messages": MSG, "max_tokens": "10"}, 400, "max_tokens",
+     "must be an integer, got string"),
     ({"model": NAME, "messages": MSG, "max_tokens": -1}, 400, "max_tokens", "at least 1"),
     ({"model": NAME, "messages": MSG, "max_tokens": 2.5}, 400, "max_tokens", "got number"),
     ({"model": NAME, "messages": MSG, "temperature": 2.5}, 400, "temperature", "in [0, 2]"),
@@ -408,5 +434,24 @@ def test_api_key(model_dir):
         ok = s.client(api_key="sekret").chat.completions.create(model=NAME, messages=MSG, max_tokens=3)
         assert ok.usage.completion_tokens <= 3
         assert httpx.get(s.url + "/health").status_code == 200    # health and metrics stay open
+    finally:
+        s.stop()
+
+
+def test_engine_failure_is_a_500_and_the_server_lives_on(model_dir):
+    s = ServerThread(create_app(FailingEngine(model_dir, device="cpu"), NAME))
+    try:
+        body = {"model": NAME, "messages": MSG, "max_tokens": 10, "temperature": 0}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 500
+        assert r.json()["error"] == {"message": "generation failed: RuntimeError: expert fetch failed",
+                                     "type": "server_error", "param": None, "code": None}
+        lines = [ln for ln in httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": True}
+                                         ).text.splitlines() if ln]
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["type"] == "server_error"
+        assert lines[-1] == "data: [DONE]"
+        m = s.wait_idle()
+        assert (m["requests_failed_total"], m["last_finish_reason"], m["last_completion_tokens"]) == \
+            (2, "failed", 3)
     finally:
         s.stop()

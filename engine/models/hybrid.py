@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.models.base import MoeConfig, MoeDecoder, expert_spec, need  # noqa: F401 (expert_spec re-exported)
+from engine.models.base import MoeConfig, MoeDecoder, expert_spec, need  # noqa: F401 (re-exported)
 from engine.models.rope import ConfigError
 from engine.names import name
 

@@ -1,0 +1,307 @@
+"""The CUDA decoder for the llama-like MoE families: dense weights resident in VRAM, routed
+experts through the VRAM tier (engine/residency.py), kernels from kernels_numba/gpu_*.
+
+Same interface as engine.models.base.MoeDecoder (new_state, forward, on_route), so the runtime
+drives it unchanged. All buffers are preallocated: the run state holds the KV cache, the
+activations for one token and for a prefill chunk, and the position in device memory.
+Per MoE layer at decode: dense work -> router top-k on the device -> ids to the host ->
+resolve slots (copies on the copy stream) -> one expert launch pair through the slot table.
+Legend: T = tokens, H = hidden, D = head dim, Hq / Hkv = heads, E = experts, K = top-k,
+I = expert intermediate, V = vocab, A = T * K assignments.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from kernels_numba import gpu_attention as ga
+from kernels_numba import gpu_dense as gd
+from kernels_numba import gpu_experts as gx
+from kernels_numba import gpu_misc as gm
+from kernels_numba import gpu_sampling as gs
+
+PREFILL_CHUNK = 512      # tokens per prefill pass (buffers are sized for this)
+GEMM_MIN_T = 8           # below this many tokens the matvec kernel beats the tiled GEMM
+
+
+class Buffers:
+    """Activations for up to T tokens (float32 unless said)."""
+
+    def __init__(self, c, t: int, s_max: int):
+        f = np.float32
+        self.t = t
+        self.x = cuda.device_array((t, c.hidden), f)             # residual stream [T, H]
+        self.h = cuda.device_array((t, c.hidden), f)             # normed input [T, H]
+        self.q = cuda.device_array((t, c.q_dim), f)              # [T, Hq*D]
+        self.k = cuda.device_array((t, c.kv_dim), f)
+        self.v = cuda.device_array((t, c.kv_dim), f)
+        self.att = cuda.device_array((t, c.q_dim), f)
+        self.o = cuda.device_array((t, c.hidden), f)
+        self.rl = cuda.device_array((t, c.n_experts), f)         # router logits [T, E]
+        self.ids = cuda.device_array((t, c.top_k), np.int32)     # [T, K]
+        self.w = cuda.device_array((t, c.top_k), f)
+        self.moe = cuda.device_array((t, c.hidden), f)
+        a = t * c.top_k
+        self.act = cuda.device_array((a, c.moe_intermediate), f)  # [A, I]
+        self.y = cuda.device_array((a, c.hidden), f)              # [A, H]
+        self.pos = cuda.device_array(t, np.int32)
+        self.tok = cuda.device_array(t, np.int32)
+        self.partials = ga.alloc_partials(t, c.n_heads, c.head_dim, s_max)
+        if c.dense_intermediate and len(c.moe_layers) < c.n_layers:
+            self.g = cuda.device_array((t, c.dense_intermediate), f)
+            self.u = cuda.device_array((t, c.dense_intermediate), f)
+        # host staging (pinned): ids and weights back from the device, slot tables out
+        self.ids_h = cuda.pinned_array((t, c.top_k), np.int32)
+        self.w_h = cuda.pinned_array((t, c.top_k), f)
+        self.tok_h = cuda.pinned_array(t, np.int32)
+        self.pos_h = cuda.pinned_array(t, np.int32)
+
+
+class GpuRunState:
+    """KV cache [L][S_max, Hkv, D] float32 in VRAM, and the filled length."""
+
+    def __init__(self, c, max_context: int):
+        self.max_context = max_context
+        self.k = [cuda.device_array((max_context, c.n_kv_heads, c.head_dim), np.float32)
+                  for _ in range(c.n_layers)]
+        self.v = [cuda.device_array((max_context, c.n_kv_heads, c.head_dim), np.float32)
+                  for _ in range(c.n_layers)]
+        self.pos = 0
+
+
+class GpuDecoder:
+    def __init__(self, c, weight, experts_host, plan, layout, on_route=None, prefill_batch: int = 32):
+        """weight(key, layer) -> host array; experts_host: get/contains over expert blocks."""
+        from engine.residency import VramResidency
+        self.c = c
+        self.on_route = on_route
+        self.cs = cuda.stream()
+        self.xs = cuda.stream()
+        self.plan = plan
+        self.fmt = layout.fmt
+        gx.check_layout(self.fmt, layout.as_array(), c.top_k)
+        self.lay_h = layout.as_array()
+        self.lay = cuda.to_device(self.lay_h)
+        self._w = {}
+        self._weight = weight
+        self.inv_freq = cuda.to_device(c.rope.inv_freq())
+        self.res = VramResidency(plan.vram_slots, layout.block_bytes, experts_host, self.xs, self.cs)
+        self.views = gx.bank_views(self.res.bank)
+        self.prefill_batch = prefill_batch
+        self.slots_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)
+        self.slots_d = cuda.device_array((c.n_layers, c.top_k), np.int32)
+        self.one = Buffers(c, 1, 1)   # placeholder until a state fixes S_max
+        self.chunk = None
+        self.state = None
+        self.logits_d = None
+        self.logits_h = None
+
+    def w(self, key: str, layer: int | None = None):
+        """Dense weight on the device (uploaded on first use; 1-D weights as float32)."""
+        k = (key, layer)
+        d = self._w.get(k)
+        if d is None:
+            a = np.asarray(self._weight(key, layer))
+            if a.ndim == 1 and a.dtype == np.uint16:
+                a = (a.astype(np.uint32) << 16).view(np.float32)
+            d = self._w[k] = cuda.to_device(np.ascontiguousarray(a), stream=self.cs)
+        return d
+
+    def upload_all(self, keys) -> None:
+        for key, layer in keys:
+            self.w(key, layer)
+        self.cs.synchronize()
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def new_state(self, max_context: int) -> GpuRunState:
+        """Reuses the preallocated state when it is large enough (nothing allocated per request)."""
+        if self.state is None or self.state.max_context < max_context:
+            self.state = GpuRunState(self.c, max_context)
+            self.one = Buffers(self.c, 1, max_context)
+            self.chunk = None
+        self.state.pos = 0
+        return self.state
+
+    def _buffers(self, t: int) -> Buffers:
+        if t == 1:
+            return self.one
+        if self.chunk is None or self.chunk.t < t:
+            self.chunk = Buffers(self.c, max(t, 16), self.state.max_context)
+        return self.chunk
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def forward(self, ids, st: GpuRunState, all_logits: bool = False) -> np.ndarray:
+        ids = np.asarray(ids)
+        if st.pos + len(ids) > st.max_context:
+            raise ValueError(f"context full: {st.pos} + {len(ids)} tokens exceed the "
+                             f"{st.max_context}-token context (raise --max-context)")
+        outs = []
+        for s in range(0, len(ids), PREFILL_CHUNK):
+            part = ids[s:s + PREFILL_CHUNK]
+            last = s + PREFILL_CHUNK >= len(ids)
+            r = self._forward_chunk(part, st, all_logits, last)
+            if r is not None:
+                outs.append(r)
+        return np.concatenate(outs, axis=0)
+
+    def _forward_chunk(self, ids, st, all_logits, last):
+        c, cs = self.c, self.cs
+        t = len(ids)
+        b = self._buffers(t)
+        b.tok_h[:t] = ids
+        b.pos_h[:t] = np.arange(st.pos, st.pos + t, dtype=np.int32)
+        tok, pos = b.tok[:t], b.pos[:t]
+        tok.copy_to_device(b.tok_h[:t], stream=cs)
+        pos.copy_to_device(b.pos_h[:t], stream=cs)
+        x = b.x[:t]
+        gd.embed(tok, self.w("embed"), x, cs)
+        for l in range(c.n_layers):
+            self._attention(l, b, t, st)
+            if l in c.moe_layers:
+                self._moe(l, b, t)
+            else:
+                self._dense_mlp(l, b, t)
+        st.pos += t
+        if not (all_logits or last):
+            return None
+        rows = x if all_logits else x[t - 1:t]
+        n = rows.shape[0]
+        hn = b.h[:n]
+        gd.rmsnorm(rows, self.w("final_norm"), c.rms_eps, hn, cs)
+        if self.logits_d is None or self.logits_d.shape[0] < n:
+            self.logits_d = cuda.device_array((max(n, 1), c.vocab_size), np.float32)
+            self.logits_h = cuda.pinned_array((max(n, 1), c.vocab_size), np.float32)
+        lw = self.w("embed") if c.tie_embeddings else self.w("lm_head")
+        self._linear(lw, hn, self.logits_d[:n])
+        self.logits_d[:n].copy_to_host(self.logits_h[:n], stream=cs)
+        cs.synchronize()
+        return np.array(self.logits_h[:n])
+
+    def _linear(self, w, x, y):
+        (gd.gemm if x.shape[0] >= GEMM_MIN_T else gd.linear)(w, x, y, self.cs)
+
+    def _attention(self, l, b, t, st):
+        c, cs = self.c, self.cs
+        x, h = b.x[:t], b.h[:t]
+        q, k, v = b.q[:t], b.k[:t], b.v[:t]
+        gd.rmsnorm(x, self.w("attn_norm", l), c.rms_eps, h, cs)
+        self._linear(self.w("q", l), h, q)
+        self._linear(self.w("k", l), h, k)
+        self._linear(self.w("v", l), h, v)
+        if c.attention_bias:
+            gm.add_rows(q, self.w("q_bias", l), cs)
+            gm.add_rows(k, self.w("k_bias", l), cs)
+            gm.add_rows(v, self.w("v_bias", l), cs)
+        if c.qk_norm == "full":
+            gd.rmsnorm(q, self.w("q_norm", l), c.rms_eps, q, cs)
+            gd.rmsnorm(k, self.w("k_norm", l), c.rms_eps, k, cs)
+        if c.clip_qkv:
+            for a in (q, k, v):
+                gm.clip(a.reshape(-1), c.clip_qkv, cs)
+        if c.qk_norm == "head":
+            gd.rmsnorm(q.reshape(t * c.n_heads, c.head_dim), self.w("q_norm", l), c.rms_eps,
+                       q.reshape(t * c.n_heads, c.head_dim), cs)
+            gd.rmsnorm(k.reshape(t * c.n_kv_heads, c.head_dim), self.w("k_norm", l), c.rms_eps,
+                       k.reshape(t * c.n_kv_heads, c.head_dim), cs)
+        q3 = q.reshape(t, c.n_heads, c.head_dim)
+        k3 = k.reshape(t, c.n_kv_heads, c.head_dim)
+        v3 = v.reshape(t, c.n_kv_heads, c.head_dim)
+        pos = b.pos[:t]
+        gd.rope(q3, pos, self.inv_freq, cs, c.rope.attention_factor)
+        gd.rope(k3, pos, self.inv_freq, cs, c.rope.attention_factor)
+        gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
+        att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
+        ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
+                     _partials(b.partials, t, c.n_heads), cs, c.sliding_window)
+        self._linear(self.w("o", l), b.att[:t], b.o[:t])
+        gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)
+
+    def _dense_mlp(self, l, b, t):
+        c, cs = self.c, self.cs
+        x, h = b.x[:t], b.h[:t]
+        gd.rmsnorm(x, self.w("mlp_norm", l), c.rms_eps, h, cs)
+        g, u = b.g[:t], b.u[:t]
+        self._linear(self.w("mlp_gate", l), h, g)
+        self._linear(self.w("mlp_up", l), h, u)
+        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), cs)
+        self._linear(self.w("mlp_down", l), g, b.o[:t])
+        gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)
+
+    def _route(self, l, b, t):
+        """Router on the device; ids and weights to the host (the one sync of the layer)."""
+        c, cs = self.c, self.cs
+        gd.rmsnorm(b.x[:t], self.w("mlp_norm", l), c.rms_eps, b.h[:t], cs)
+        self._linear(self.w("router", l), b.h[:t], b.rl[:t])
+        gs.router_topk(b.rl[:t], c.norm_topk_prob, b.ids[:t], b.w[:t], cs)
+        b.ids[:t].copy_to_host(b.ids_h[:t], stream=cs)
+        if t > 1:
+            b.w[:t].copy_to_host(b.w_h[:t], stream=cs)
+        cs.synchronize()
+        ids = np.array(b.ids_h[:t])
+        if self.on_route is not None:
+            self.on_route(l, ids)
+        return ids
+
+    def _moe(self, l, b, t):
+        c, cs = self.c, self.cs
+        ids = self._route(l, b, t)
+        x = b.x[:t]
+        if t == 1:
+            self.slots_h[l] = self.res.resolve(l, ids[0])
+            self.slots_d[l].copy_to_device(self.slots_h[l], stream=cs)
+            gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0],
+                          b.h[0], b.act[:c.top_k], b.moe[0], cs)
+        else:
+            self._moe_grouped(l, b, t, ids)
+        gd.add(x.reshape(-1), b.moe[:t].reshape(-1), x.reshape(-1), cs)
+
+    def _moe_grouped(self, l, b, t, ids):
+        """Prefill: each expert read once for the chunk, in batches whose copies overlap compute."""
+        c, cs = self.c, self.cs
+        gslot, gstart, order, wts, pos = gx.group_assignments(ids, np.array(b.w_h[:t]), lambda e: 0)
+        experts = np.unique(ids)                       # group g <-> experts[g]
+        dev = _GroupArrays(gstart, order, wts, pos)
+        gslot_d = cuda.to_device(gslot, stream=cs)
+        a = t * c.top_k
+        prev_keys, prev_evt, prev2_evt = (), None, None
+        for g0 in range(0, len(experts), self.prefill_batch):
+            g1 = min(g0 + self.prefill_batch, len(experts))
+            slots = self.res.resolve(l, experts[g0:g1], protect=prev_keys, after=prev2_evt)
+            gslot[g0:g1] = slots
+            gslot_d[g0:g1].copy_to_device(gslot[g0:g1], stream=cs)
+            _grouped_range(self.fmt, self.views, self.lay, self.lay_h, gslot_d[g0:g1],
+                           dev.gstart[g0:g1 + 1], dev.order, dev.wts, b.h[:t], b.act[:a], b.y[:a], cs)
+            evt = cuda.event()
+            evt.record(cs)
+            prev2_evt, prev_evt = prev_evt, evt
+            prev_keys = {(l, int(e)) for e in experts[g0:g1]}
+        n = t * c.hidden
+        gx.combine_kernel[(n + 255) // 256, 256, cs](b.y[:a], dev.pos, b.moe[:t], np.int32(0))
+        cs.synchronize()   # host arrays above are reused by the next layer
+
+
+class _GroupArrays:
+    def __init__(self, gstart, order, wts, pos):
+        self.gstart = cuda.to_device(gstart)
+        self.order = cuda.to_device(order)
+        self.wts = cuda.to_device(wts)
+        self.pos = cuda.to_device(pos)
+
+
+def _grouped_range(fmt, views, lay, lay_h, gslot, gstart, order, wts, x, act, y, stream):
+    """The grouped expert kernels over a range of groups (gstart holds absolute assignment
+    offsets, so a slice of the groups runs alone): act, y rows of those assignments only."""
+    _, _, ggu, gdn = gx._KERNELS[fmt]
+    b64, b8, bf = views
+    g = gslot.shape[0]
+    ggu[gx.gate_up_grid(lay_h, g), gx.THREADS, stream, gx.gate_up_shared_bytes(fmt, lay_h, gx.TT)](
+        b64, b8, bf, lay, gslot, gstart, order, x, act)
+    dsh = int(gx.TT * (int(lay_h[9]) // gx.CHUNK[fmt]) * (gx.CHUNK[fmt] + 1) * 4)
+    gdn[(gx.down_grid(lay_h), g), gx.THREADS, stream, dsh](b64, b8, bf, lay, gslot, gstart, wts, act, y)
+
+
+def _partials(p, t, hq):
+    pm, pl, pacc = p
+    return pm[:t * hq], pl[:t * hq], pacc[:t * hq]

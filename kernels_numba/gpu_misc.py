@@ -1,0 +1,86 @@
+"""Small CUDA kernels the decoder needs beside the dense / attention / expert families:
+KV-cache store at device positions, bias add, clamp, SwiGLU of a dense MLP, slot mapping.
+
+Legend: T = tokens, Hkv = kv heads, D = head dim, S = cache positions, N = a row's size.
+Every launcher takes an explicit stream, allocates nothing and never syncs (graph-capturable).
+"""
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32
+
+from .gpu_util import SIM, cdiv
+
+THREADS = 64 if SIM else 256
+
+
+@cuda.jit
+def _kv_store(k, v, kc, vc, pos):
+    """k, v float32 [T, Hkv, D] -> kc, vc [S, Hkv, D] at rows pos[t] (device positions)."""
+    i = cuda.grid(1)
+    T, nh, D = k.shape
+    if i < T * nh * D:
+        t = i // (nh * D)
+        r = i - t * nh * D
+        h = r // D
+        d = r - h * D
+        p = pos[t]
+        kc[p, h, d] = k[t, h, d]
+        vc[p, h, d] = v[t, h, d]
+
+
+def kv_store(k, v, kc, vc, pos, stream):
+    n = k.shape[0] * k.shape[1] * k.shape[2]
+    _kv_store[cdiv(n, THREADS), THREADS, stream](k, v, kc, vc, pos)
+
+
+@cuda.jit
+def _add_rows(x, b):
+    """x [T, N] += b [N]."""
+    i = cuda.grid(1)
+    T, N = x.shape
+    if i < T * N:
+        x[i // N, i % N] += b[i % N]
+
+
+def add_rows(x, b, stream):
+    n = x.shape[0] * x.shape[1]
+    _add_rows[cdiv(n, THREADS), THREADS, stream](x, b)
+
+
+@cuda.jit
+def _clip(x, lim):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        x[i] = min(max(x[i], -lim), lim)
+
+
+def clip(x, lim, stream):
+    """x [n] clamped to [-lim, lim] in place (pass .reshape(-1) views)."""
+    _clip[cdiv(x.shape[0], THREADS), THREADS, stream](x, float32(lim))
+
+
+@cuda.jit
+def _silu_mul(g, u, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        a = g[i]
+        out[i] = a / (float32(1.0) + math.exp(-a)) * u[i]
+
+
+def silu_mul(g, u, out, stream):
+    """out [n] = silu(g) * u (1-D views)."""
+    _silu_mul[cdiv(out.shape[0], THREADS), THREADS, stream](g, u, out)
+
+
+@cuda.jit
+def _map_slots(ids, slot_of, slots):
+    """slots[k] = slot_of[ids[0, k]]: routing -> bank slots on the device (all-resident decode)."""
+    k = cuda.grid(1)
+    if k < slots.shape[0]:
+        slots[k] = slot_of[ids[0, k]]
+
+
+def map_slots(ids, slot_of, slots, stream):
+    _map_slots[1, 64, stream](ids, slot_of, slots)
