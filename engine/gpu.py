@@ -266,8 +266,10 @@ class GpuDecoder:
         gslot_d = cuda.to_device(gslot, stream=cs)
         a = t * c.top_k
         prev_keys, prev_evt, prev2_evt = (), None, None
-        for g0 in range(0, len(experts), self.prefill_batch):
-            g1 = min(g0 + self.prefill_batch, len(experts))
+        # two batches in flight must fit in the slots the hot set leaves free
+        batch = max(1, min(self.prefill_batch, (self.res.n_slots - len(self.res.hot)) // 2))
+        for g0 in range(0, len(experts), batch):
+            g1 = min(g0 + batch, len(experts))
             slots = self.res.resolve(l, experts[g0:g1], protect=prev_keys, after=prev2_evt)
             gslot[g0:g1] = slots
             gslot_d[g0:g1].copy_to_device(gslot[g0:g1], stream=cs)

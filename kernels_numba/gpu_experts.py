@@ -486,12 +486,13 @@ def combine_kernel(y, pos, out, accumulate):
         out[t, h] = s + (out[t, h] if accumulate else float32(0.0))
 
 
-_KERNELS = {}
+_KERNELS = {fmt: _make_kernels(fmt) for fmt in CHUNK}   # fmt -> the four kernels (compiled lazily)
 
 
 def get_kernels(fmt: str, min_blocks: int = 0):
-    """(gate_up, down, grouped_gate_up, grouped_down) for fmt; built once per variant."""
-    key = (fmt, min_blocks)
+    """(gate_up, down, grouped_gate_up, grouped_down) for fmt or a variant ("nvfp4-arith");
+    built once per (variant, min_blocks)."""
+    key = (fmt, min_blocks) if min_blocks else fmt
     if key not in _KERNELS:
         _KERNELS[key] = _make_kernels(fmt, min_blocks)
     return _KERNELS[key]
@@ -590,9 +591,10 @@ def group_assignments(ids: np.ndarray, weights: np.ndarray, slot_of):
     return gslot, gstart, order, wts, pos.reshape(t, k)
 
 
-def expert_mlp_grouped(fmt, views, lay, lay_host, gslot, gstart, order, wts, pos, x, act, y,
-                       out, stream, accumulate=False):
-    """T tokens (prefill): x [T, H] -> out [T, H]; act [A, I], y [A, H] scratch (A = T*K)."""
+def grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x, act, y, stream):
+    """The grouped gate_up and down kernels over groups gslot int32 [G] with offsets gstart
+    int32 [G + 1] (absolute assignment indices, so a slice of the groups can run alone):
+    x [T, H] -> act [A, I] -> y [A, H] = wts[a] * expert(x[order[a]]) for those assignments."""
     _, _, ggu, gdn = get_kernels(fmt)
     b64, b8, bf = views
     g = gslot.shape[0]
@@ -601,5 +603,16 @@ def expert_mlp_grouped(fmt, views, lay, lay_host, gslot, gstart, order, wts, pos
     cw = CHUNK[fmt]
     dsh = int(TT * (int(lay_host[9]) // cw) * (cw + 1) * 4)
     gdn[(down_grid(lay_host), g), THREADS, stream, dsh](b64, b8, bf, lay, gslot, gstart, wts, act, y)
+
+
+def combine(y, pos, out, stream, accumulate=False):
+    """out [T, H] = (out if accumulate) + sum_k y[pos[t, k]] (pos int32 [T, K])."""
     n = out.shape[0] * out.shape[1]
     combine_kernel[cdiv(n, 256), 256, stream](y, pos, out, int32(1 if accumulate else 0))
+
+
+def expert_mlp_grouped(fmt, views, lay, lay_host, gslot, gstart, order, wts, pos, x, act, y,
+                       out, stream, accumulate=False):
+    """T tokens (prefill): x [T, H] -> out [T, H]; act [A, I], y [A, H] scratch (A = T*K)."""
+    grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x, act, y, stream)
+    combine(y, pos, out, stream, accumulate)

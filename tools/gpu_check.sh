@@ -16,7 +16,7 @@ python3 -c "from numba import cuda; d = cuda.get_current_device(); print(d.name,
 
 echo "== GPU tests"
 rc_tests=0
-timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_kernels.py \
+timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_kernels.py \
     tests/test_graphs.py 2>&1 | tee "$OUT/pytest.log" || rc_tests=$?
 echo "pytest exit: $rc_tests"
 

@@ -186,7 +186,7 @@ class HybridDecoder(MoeDecoder):
         if c.fused_qkvz:
             self.qkvz_cols, self.ba_cols = qkvz_order(c)
         # Derived weights, computed once in float32 as the reference does: norms as (1 + w); the
-        # conv taps as [C, Kc]; -exp(A_log). self.w serves them under their own keys.
+        # conv taps as [C, Kc]; dn_neg_a = -exp(A_log). self.w serves them by key, ahead of the raw ones.
         derived = {("final_norm", None): np.float32(1.0) + self.dn.f32(weights("final_norm"))}
         for l in range(c.n_layers):
             norms = ("attn_norm", "mlp_norm") + (("q_norm", "k_norm") if c.layer_types[l] == FULL else ())
@@ -194,7 +194,7 @@ class HybridDecoder(MoeDecoder):
                 derived[key, l] = np.float32(1.0) + self.dn.f32(weights(key, l))
             if c.layer_types[l] == LINEAR:
                 derived["dn_conv", l] = self.dn.f32(weights("dn_conv", l)).reshape(c.conv_dim, c.conv_kernel)
-                derived["dn_A_log", l] = -np.exp(self.dn.f32(weights("dn_A_log", l)))   # -> -exp(A_log)
+                derived["dn_neg_a", l] = -np.exp(self.dn.f32(weights("dn_A_log", l)))   # -exp(A_log)
                 derived["dn_dt_bias", l] = self.dn.f32(weights("dn_dt_bias", l))
                 derived["dn_norm", l] = self.dn.f32(weights("dn_norm", l))
         self._derived = {k: ops.weight(v.astype(np.float32)) for k, v in derived.items()}
@@ -246,7 +246,7 @@ class HybridDecoder(MoeDecoder):
             b, a = ops.linear(h, w("dn_b", l)), ops.linear(h, w("dn_a", l))
         s = self.slot[l]
         qkv = dn.conv1d_silu(qkv, w("dn_conv", l), st.conv[s])                   # [T, C]
-        beta, g = dn.gates(b, a, w("dn_A_log", l), w("dn_dt_bias", l))           # [T, Nv] each
+        beta, g = dn.gates(b, a, w("dn_neg_a", l), w("dn_dt_bias", l))           # [T, Nv] each
         q = qkv[:, :kd].reshape(t, c.lin_k_heads, c.lin_k_dim)                   # [T, Nk, Dk]
         k = qkv[:, kd:2 * kd].reshape(t, c.lin_k_heads, c.lin_k_dim)
         v = qkv[:, 2 * kd:].reshape(t, nv, c.lin_v_dim)                          # [T, Nv, Dv]
