@@ -317,6 +317,7 @@ class Engine:
         stats.update(prefill_tokens=len(prompt_ids), prefill_s=t1 - t0,
                      prefill_tok_s=len(prompt_ids) / max(t1 - t0, 1e-9), decode_tokens=0, decode_s=0.0)
         stats["finish_reason"] = "length"
+        c0 = self._counters()
         for i in range(n_new):
             tid = self.ops.sample(np.asarray(logits[-1]), params.temperature, params.top_k,
                                   params.top_p, rng.random())
@@ -334,6 +335,32 @@ class Engine:
         stats["experts"] = self.experts.stats()
         if self.device == "cuda":
             stats["vram"] = self.gpu.res.stats.as_dict()
+        n = max(stats["decode_tokens"], 1)
+        c1 = self._counters()
+        stats["decode_per_token"] = {
+            "disk_bytes": (c1["disk"] - c0["disk"]) / n, "h2d_bytes": (c1["h2d"] - c0["h2d"]) / n,
+            "weight_bytes": self.weight_bytes_per_token(),
+            "wait_host_s": (c1["wait"] - c0["wait"]) / n,
+            "compute_s": max(stats["decode_s"] / n - (c1["wait"] - c0["wait"]) / n, 0.0)}
+
+    def _counters(self) -> dict:
+        ex = self.experts.stats()
+        vr = self.gpu.res.stats if self.device == "cuda" else None
+        return {"disk": ex.get("bytes_read", 0), "h2d": vr.h2d_bytes if vr else 0,
+                "wait": vr.host_wait_s if vr else ex.get("read_seconds", 0.0)}
+
+    def weight_bytes_per_token(self) -> int:
+        """Weight bytes one decode token reads: the dense side (the embedding table only when it
+        is also the lm_head) and top-k experts in every MoE layer."""
+        c = self.config
+        dense = sum(np.asarray(w).nbytes for n, w in self._dense.items()
+                    if not (n.endswith("embed_tokens.weight") and not c.tie_embeddings))
+        if self.packed:
+            per_expert = self.experts.block_bytes
+        else:
+            per_expert = sum(self.checkpoint.info(n).nbytes
+                             for n in expert_names(c.family, c.moe_layers[0], 0)) if c.moe_layers else 0
+        return int(dense + len(c.moe_layers) * c.top_k * per_expert)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, on_text: Callable | None = None,

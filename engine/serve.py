@@ -352,6 +352,7 @@ class Metrics:
     last_wall_s: float = 0.0
     last_finish_reason: str = ""
     experts: dict = field(default_factory=dict)   # the engine's expert stats after the last request
+    vram: dict = field(default_factory=dict)      # its VRAM residency stats (device cuda), else {}
 
 
 class Worker:
@@ -403,9 +404,10 @@ class Worker:
 
     def snapshot(self) -> dict:
         with self.cond:
-            d = {k: v for k, v in vars(self.metrics).items() if k != "experts"}
+            d = {k: v for k, v in vars(self.metrics).items() if k not in ("experts", "vram")}
             d.update(queue_depth=len(self.pending), running=int(self.running is not None),
-                     queue_size=self.queue_size, experts=dict(self.metrics.experts))
+                     queue_size=self.queue_size, experts=dict(self.metrics.experts),
+                     vram=dict(self.metrics.vram))
         return d
 
     def _loop(self):
@@ -479,6 +481,7 @@ class Worker:
             m.last_decode_tok_s = stats.get("decode_tokens", 0) / max(stats.get("decode_s", 0.0), 1e-9)
             m.last_wall_s, m.last_finish_reason = wall_s, outcome
             m.experts = experts
+            m.vram = stats["vram"] if "vram" in stats else {}
 
 
 # ---- HTTP -----------------------------------------------------------------------------------------
@@ -540,10 +543,11 @@ class Server:
     async def run(self, request: Request, req: GenRequest):
         job = Job(req, asyncio.get_running_loop())
         self.worker.submit(job)
-        if req.stream:
-            return StreamingResponse(self.stream_events(request, job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # watched from here on, even if the response body never starts
         watcher = asyncio.create_task(self.watch_disconnect(request, job))
+        if req.stream:
+            return StreamingResponse(self.stream_events(job, watcher), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         pieces = []
         try:
             while True:
@@ -572,7 +576,7 @@ class Server:
                 "created": int(time.time()), "model": self.model.name, "system_fingerprint": None,
                 "choices": [choice], "usage": _usage(job)}
 
-    async def stream_events(self, request: Request, job: Job):
+    async def stream_events(self, job: Job, watcher: asyncio.Task):
         req, chat = job.req, job.req.kind == "chat"
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                 "object": "chat.completion.chunk" if chat else "text_completion",
@@ -584,7 +588,6 @@ class Server:
             extra = {"usage": None} if req.include_usage else {}
             return _sse({**base, "choices": [choice], **extra})
 
-        watcher = asyncio.create_task(self.watch_disconnect(request, job))
         try:
             while True:
                 kind, value = await job.events.get()
@@ -649,9 +652,11 @@ class Server:
 
 
 def prometheus_text(snap: dict) -> str:
-    """Numeric metrics as Prometheus text: moe_stream_<name>, experts as moe_stream_experts_<name>."""
-    flat = [(k, v) for k, v in snap.items() if k != "experts"]
-    flat += [("experts_" + k.removeprefix("experts_"), v) for k, v in snap["experts"].items()]
+    """Numeric metrics as Prometheus text: moe_stream_<name>; the engine's cache stats as
+    moe_stream_experts_<name> and moe_stream_vram_<name>."""
+    flat = [(k, v) for k, v in snap.items() if k not in ("experts", "vram")]
+    for group in ("experts", "vram"):
+        flat += [(f"{group}_" + k.removeprefix(f"{group}_"), v) for k, v in snap[group].items()]
     lines = []
     for k, v in flat:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -709,6 +714,16 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length in tokens: prompt + completion (default min(model's, 4096))")
+    # loading flags, as engine.generate has them
+    p.add_argument("--ram-gb", type=float, default=None,
+                   help="host-RAM expert cache budget for packed models (default: fits the arena, "
+                        "at most half the available RAM)")
+    p.add_argument("--vram-gb", type=float, default=None,
+                   help="GPU memory budget (default: 90%% of what is free)")
+    p.add_argument("--hot-from", metavar="FILE", help="fill the VRAM hot set from a routing profile")
+    p.add_argument("--prefill-batch", type=int, default=32, help="experts fetched per prefill batch")
+    p.add_argument("--cache-policy", choices=("lru", "lfu", "decay"), default="lru")
+    p.add_argument("--reader-threads", type=int, default=4)
     p.add_argument("--queue-size", type=int, default=8,
                    help="requests that may wait behind the one generating; more get 503 (default 8)")
     p.add_argument("--served-model-name", default=None,
@@ -737,13 +752,15 @@ def main(argv=None) -> int:
         else:
             model_dir = a.model
             name = Path(a.model).name if Path(a.model).is_dir() else a.model
-        m = engine.load(model_dir, device=a.device, max_context=a.max_context)
+        m = engine.load(model_dir, device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
+                        cache_policy=a.cache_policy, reader_threads=a.reader_threads,
+                        vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch)
+        m.generate([0], max_new_tokens=2)   # compile the kernels now, not in the first request
+        m.state = None
     except (CheckpointError, ConfigError, TemplateError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = a.served_model_name or name
-    m.generate([0], max_new_tokens=2)       # compile the kernels now, not in the first request
-    m.state = None
     app = create_app(m, name, api_key=a.api_key, queue_size=a.queue_size)
     if a.host not in ("127.0.0.1", "localhost", "::1") and a.api_key is None:
         print(f"warning: listening on {a.host} without --api-key: anyone who can reach this port can use it",

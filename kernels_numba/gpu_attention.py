@@ -26,6 +26,7 @@ ATT_WARPS = ATT_THREADS // 32
 MAX_D = 256
 DL = MAX_D // WARP            # head-dim values per lane, at most
 SPLIT = 256                   # keys per block (default)
+KB = 4                        # keys a warp scores at once
 _S16 = np.uint32(16)
 
 
@@ -70,24 +71,36 @@ def _make_partial(ld):
             acc[i] = float32(0.0)
         m = NEG_INF
         l = float32(0.0)
-        for j0 in range(start, end, nw):       # uniform trip count over the block
-            j = j0 + warp
-            jj = min(j, end - 1)
-            s = float32(0.0)
-            for i in range(DL):
-                d = lane + i * WARP
-                if d < D:
-                    s += qv[i] * ld(kc, jj, kvh, d)
-            s = warp_sum(s, red)
-            if j < end:
-                mn = max(m, s)
-                corr = math.exp(m - mn)
-                e = math.exp(s - mn)
-                l = l * corr + e
+        sc = cuda.local.array(KB, float32)
+        for j0 in range(start, end, nw * KB):  # uniform trip count over the block
+            jb = j0 + warp * KB                # this warp's KB keys: independent dots, so
+            for u in range(KB):                # their loads and shuffles overlap
+                jj = min(jb + u, end - 1)
+                s = float32(0.0)
                 for i in range(DL):
                     d = lane + i * WARP
                     if d < D:
-                        acc[i] = acc[i] * corr + e * ld(vc, jj, kvh, d)
+                        s += qv[i] * ld(kc, jj, kvh, d)
+                sc[u] = s
+            for u in range(KB):
+                sc[u] = warp_sum(sc[u], red)
+            mn = m
+            for u in range(KB):
+                if jb + u < end:
+                    mn = max(mn, sc[u])
+            if mn > NEG_INF:
+                corr = math.exp(m - mn)
+                l = l * corr
+                for i in range(DL):
+                    acc[i] = acc[i] * corr
+                for u in range(KB):
+                    if jb + u < end:
+                        e = math.exp(sc[u] - mn)
+                        l += e
+                        for i in range(DL):
+                            d = lane + i * WARP
+                            if d < D:
+                                acc[i] += e * ld(vc, jb + u, kvh, d)
                 m = mn
         if lane == 0:
             wm[warp] = m

@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, float64, int32, uint32
+from numba import cuda, float32, float64, int32, uint32, uint64
 
 from .gpu_util import M32, SIM, WARP, cdiv, int_as_float, warp_sum
 
 LIN_THREADS = 64 if SIM else 256    # linear: one warp per output row
 LIN_TT = 4                           # linear: tokens per pass over a weight row
+LIN_U = 4                            # linear: 8-byte loads in flight per lane
 NORM_THREADS = 64 if SIM else 128    # rmsnorm: one warp per row
 GEMM_BM = 64                         # gemm tile: 64 x 64 outputs, 16 inner, 256 threads x 4x4
 GEMM_BN = 64
@@ -61,7 +62,7 @@ def _make_linear(cw, chunk):
     @cuda.jit
     def linear(w64, x, y):
         """w64 uint64 [N, K / cw] (weights viewed 8 bytes at a time), x float32 [T, K]
-        -> y float32 [T, N]; grid cdiv(N, warps)."""
+        -> y float32 [T, N]; grid cdiv(N, warps). A lane issues LIN_U loads before it computes."""
         red = cuda.shared.array(LIN_THREADS, float32)
         tid = cuda.threadIdx.x
         lane = tid % WARP
@@ -72,22 +73,29 @@ def _make_linear(cw, chunk):
         n = min(n0, N - 1)
         v = cuda.local.array(cw, float32)
         acc = cuda.local.array(LIN_TT, float32)
+        wq = cuda.local.array(LIN_U, uint64)
         for t0 in range(0, T, LIN_TT):
+            nt = min(LIN_TT, T - t0)
             for q in range(LIN_TT):
                 acc[q] = float32(0.0)
-            for j in range(lane, nch, WARP):
-                chunk(w64[n, j], v)
-                for q in range(LIN_TT):
-                    t = min(t0 + q, T - 1)
-                    s = float32(0.0)
-                    for c in range(cw):
-                        s += v[c] * x[t, j * cw + c]
-                    acc[q] += s
+            for jb in range(lane, nch, WARP * LIN_U):
+                for u in range(LIN_U):
+                    wq[u] = w64[n, min(jb + u * WARP, nch - 1)]
+                for u in range(LIN_U):
+                    j = jb + u * WARP
+                    if j < nch:
+                        chunk(wq[u], v)
+                        for q in range(LIN_TT):
+                            if q < nt:
+                                s = float32(0.0)
+                                for c in range(cw):
+                                    s += v[c] * x[t0 + q, j * cw + c]
+                                acc[q] += s
             for q in range(LIN_TT):
                 acc[q] = warp_sum(acc[q], red)
             if lane == 0 and n0 < N:
                 for q in range(LIN_TT):
-                    if t0 + q < T:
+                    if q < nt:
                         y[t0 + q, n0] = acc[q]
     return linear
 

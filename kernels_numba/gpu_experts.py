@@ -25,7 +25,7 @@ combine -> out [T, H] = sum over a token's K assignments (no atomics).
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, uint32, uint64
 
 from .gpu_util import (E2M1_TABLE, E4M3_TABLE, M32, SIM, WARP, cdiv, int_as_float, silu,
                        warp_sum)
@@ -39,6 +39,7 @@ ACC_GU = 4 * TT                              # grouped gate_up accumulators per 
 ACC_DN = 2 * TT
 MAX_K = 64                                   # routed experts per token, at most
 SHARED_LIMIT = 48 * 1024                     # static + dynamic shared bytes without opt-in
+UNROLL = 4                                   # decode kernels: chunks in flight per lane and row
 TWO_POW_120 = float32(2.0 ** 120)
 
 
@@ -164,11 +165,14 @@ _PARTS = {
 }
 
 
-def _make_kernels(fmt: str, min_blocks: int = 0):
+def _make_kernels(fmt: str, min_blocks: int = 0, unroll: int = UNROLL):
     """The four expert kernels of one format (or decode variant, e.g. "nvfp4-arith");
     min_blocks > 0 adds launch bounds (THREADS, min_blocks), capping registers so that many
     blocks fit on an SM."""
     CW = CHUNK[fmt.split("-")[0]]
+    U = unroll            # chunks a lane loads before it computes (memory-level parallelism)
+    UQ4 = 4 * unroll
+    UQ2 = 2 * unroll
     jit = cuda.jit(launch_bounds=(THREADS, min_blocks)) if min_blocks and not SIM else cuda.jit
     CP = CW + 1  # shared stride per chunk: lanes reading consecutive chunks hit distinct banks
     decode, chunk_scale, row_scale = _PARTS[fmt]
@@ -223,26 +227,33 @@ def _make_kernels(fmt: str, min_blocks: int = 0):
         acc_gb = float32(0.0)
         acc_ua = float32(0.0)
         acc_ub = float32(0.0)
-        for j in range(lane, nch, WARP):
-            wga = bank64[slot, ga + j]
-            wgb = bank64[slot, gb + j]
-            wua = bank64[slot, ua + j]
-            wub = bank64[slot, ub + j]
-            sga = chunk_scale(bank8, s8, slot, lay[1], ra, nch, j)
-            sgb = chunk_scale(bank8, s8, slot, lay[1], rb, nch, j)
-            sua = chunk_scale(bank8, s8, slot, lay[3], ra, nch, j)
-            sub = chunk_scale(bank8, s8, slot, lay[3], rb, nch, j)
-            base = j * CP
-            for t in range(CW):
-                xv[t] = xs[base + t]
-            decode(wga, tab, v)
-            acc_ga += sga * dot(v, xv, 0)
-            decode(wgb, tab, v)
-            acc_gb += sgb * dot(v, xv, 0)
-            decode(wua, tab, v)
-            acc_ua += sua * dot(v, xv, 0)
-            decode(wub, tab, v)
-            acc_ub += sub * dot(v, xv, 0)
+        wq = cuda.local.array(UQ4, uint64)            # loads of U chunks x 4 rows, in flight
+        sq = cuda.local.array(UQ4, float32)
+        for jb in range(lane, nch, WARP * U):
+            for u in range(U):                        # issue every load first ...
+                jj = min(jb + u * WARP, nch - 1)
+                wq[4 * u] = bank64[slot, ga + jj]
+                wq[4 * u + 1] = bank64[slot, gb + jj]
+                wq[4 * u + 2] = bank64[slot, ua + jj]
+                wq[4 * u + 3] = bank64[slot, ub + jj]
+                sq[4 * u] = chunk_scale(bank8, s8, slot, lay[1], ra, nch, jj)
+                sq[4 * u + 1] = chunk_scale(bank8, s8, slot, lay[1], rb, nch, jj)
+                sq[4 * u + 2] = chunk_scale(bank8, s8, slot, lay[3], ra, nch, jj)
+                sq[4 * u + 3] = chunk_scale(bank8, s8, slot, lay[3], rb, nch, jj)
+            for u in range(U):                        # ... then decode and multiply
+                j = jb + u * WARP
+                if j < nch:
+                    base = j * CP
+                    for t in range(CW):
+                        xv[t] = xs[base + t]
+                    decode(wq[4 * u], tab, v)
+                    acc_ga += sq[4 * u] * dot(v, xv, 0)
+                    decode(wq[4 * u + 1], tab, v)
+                    acc_gb += sq[4 * u + 1] * dot(v, xv, 0)
+                    decode(wq[4 * u + 2], tab, v)
+                    acc_ua += sq[4 * u + 2] * dot(v, xv, 0)
+                    decode(wq[4 * u + 3], tab, v)
+                    acc_ub += sq[4 * u + 3] * dot(v, xv, 0)
         acc_ga = warp_sum(acc_ga, red)
         acc_gb = warp_sum(acc_gb, red)
         acc_ua = warp_sum(acc_ua, red)
@@ -295,22 +306,32 @@ def _make_kernels(fmt: str, min_blocks: int = 0):
         av = cuda.local.array(CW, float32)
         oa = float32(0.0)
         ob = float32(0.0)
-        for c in range(lane, K * nch, WARP):
-            k2 = c // nch
-            j = c - k2 * nch
-            slot = sl[k2]
-            wa = bank64[slot, dq + ra * nch + j]
-            wb = bank64[slot, dq + rb * nch + j]
-            sa = chunk_scale(bank8, s8, slot, lay[5], ra, nch, j) * row_scale(bankf, slot, lay[5], ra)
-            sb = chunk_scale(bank8, s8, slot, lay[5], rb, nch, j) * row_scale(bankf, slot, lay[5], rb)
-            kw = ks[k2]
-            base = c * CP
-            for t in range(CW):
-                av[t] = As[base + t]
-            decode(wa, tab, v)
-            oa += (sa * kw) * dot(v, av, 0)
-            decode(wb, tab, v)
-            ob += (sb * kw) * dot(v, av, 0)
+        wq = cuda.local.array(UQ2, uint64)
+        sq = cuda.local.array(UQ2, float32)
+        total = K * nch
+        for cb in range(lane, total, WARP * U):
+            for u in range(U):                        # issue every load first ...
+                cc = min(cb + u * WARP, total - 1)
+                k2 = cc // nch
+                j = cc - k2 * nch
+                slot = sl[k2]
+                wq[2 * u] = bank64[slot, dq + ra * nch + j]
+                wq[2 * u + 1] = bank64[slot, dq + rb * nch + j]
+                kw = ks[k2]
+                sq[2 * u] = kw * chunk_scale(bank8, s8, slot, lay[5], ra, nch, j) * \
+                    row_scale(bankf, slot, lay[5], ra)
+                sq[2 * u + 1] = kw * chunk_scale(bank8, s8, slot, lay[5], rb, nch, j) * \
+                    row_scale(bankf, slot, lay[5], rb)
+            for u in range(U):                        # ... then decode and multiply
+                c = cb + u * WARP
+                if c < total:
+                    base = c * CP
+                    for t in range(CW):
+                        av[t] = As[base + t]
+                    decode(wq[2 * u], tab, v)
+                    oa += sq[2 * u] * dot(v, av, 0)
+                    decode(wq[2 * u + 1], tab, v)
+                    ob += sq[2 * u + 1] * dot(v, av, 0)
         oa = warp_sum(oa, red)
         ob = warp_sum(ob, red)
         if lane == 0:
@@ -489,12 +510,12 @@ def combine_kernel(y, pos, out, accumulate):
 _KERNELS = {fmt: _make_kernels(fmt) for fmt in CHUNK}   # fmt -> the four kernels (compiled lazily)
 
 
-def get_kernels(fmt: str, min_blocks: int = 0):
+def get_kernels(fmt: str, min_blocks: int = 0, unroll: int = UNROLL):
     """(gate_up, down, grouped_gate_up, grouped_down) for fmt or a variant ("nvfp4-arith");
-    built once per (variant, min_blocks)."""
-    key = (fmt, min_blocks) if min_blocks else fmt
+    built once per (variant, min_blocks, unroll)."""
+    key = fmt if (min_blocks, unroll) == (0, UNROLL) else (fmt, min_blocks, unroll)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernels(fmt, min_blocks)
+        _KERNELS[key] = _make_kernels(fmt, min_blocks, unroll)
     return _KERNELS[key]
 
 
@@ -539,25 +560,26 @@ def down_grid(lay_host: np.ndarray) -> int:
     return cdiv(int(lay_host[6]), ROWS_PER_WARP * THREADS // WARP)
 
 
-def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="", min_blocks=0):
+def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="", min_blocks=0,
+                   unroll=UNROLL):
     """x float32 [H] -> act float32 [K, I] for the K experts in slots int32 [K]."""
-    gate_up = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks)[0]
+    gate_up = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[0]
     b64, b8, bf = views
     gate_up[gate_up_grid(lay_host, slots.shape[0]), THREADS, stream,
             gate_up_shared_bytes(fmt, lay_host)](b64, b8, bf, lay, slots, x, act)
 
 
 def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, accumulate=False,
-                variant="", min_blocks=0):
+                variant="", min_blocks=0, unroll=UNROLL):
     """act float32 [K, I] -> out float32 [H] = (out if accumulate) + sum_k weights[k] * down_k."""
-    down = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks)[1]
+    down = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[1]
     b64, b8, bf = views
     down[down_grid(lay_host), THREADS, stream, down_shared_bytes(fmt, lay_host, slots.shape[0])](
         b64, b8, bf, lay, slots, weights, act, out, int32(1 if accumulate else 0))
 
 
 def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, accumulate=False,
-               variant="", min_blocks=0):
+               variant="", min_blocks=0, unroll=UNROLL):
     """One token through its K routed experts: two launches, nothing allocated, no sync.
 
     views: bank_views(bank); lay int64 [10] device, lay_host its numpy copy (shapes only);
@@ -565,9 +587,9 @@ def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, a
     out float32 [H]. Safe to capture in a CUDA graph: routing lives in slots / weights.
     variant "arith" decodes NVFP4 values with integer ops instead of a shared-memory table.
     """
-    expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant, min_blocks)
+    expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant, min_blocks, unroll)
     expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, accumulate,
-                variant, min_blocks)
+                variant, min_blocks, unroll)
 
 
 def group_assignments(ids: np.ndarray, weights: np.ndarray, slot_of):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +18,7 @@ import uvicorn
 import engine
 from engine.demo import DEMO_CONFIG, build_random_qwen3_moe
 from engine.runtime import Engine
-from engine.serve import StopMatcher, create_app
+from engine.serve import StopMatcher, create_app, main
 
 NAME = "tiny-moe"
 CONFIG = dict(DEMO_CONFIG, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -455,3 +457,32 @@ def test_engine_failure_is_a_500_and_the_server_lives_on(model_dir):
             (2, "failed", 3)
     finally:
         s.stop()
+
+
+def test_cli_serves_and_refuses_bad_flags(model_dir, tmp_path, capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "engine.serve", "--model", str(model_dir), "--port", str(port),
+           "--device", "cpu", "--max-context", "128", "--api-key", "k"]
+    log = tmp_path / "serve.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stderr=err)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k"})
+                break
+            except httpx.ConnectError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        assert r.json()["data"][0]["id"] == "m"               # the folder's name
+        assert r.json()["data"][0]["max_model_len"] == 128
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert main(["--model", str(model_dir / "missing")]) == 2
+    assert "no such model folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--queue-size", "-1"])

@@ -1,0 +1,55 @@
+"""Tier bandwidths measured on this machine, in the same run as the figures they bound.
+
+Bounds: the tokens/s the tiers allow for the bytes actually moved per token,
+    1 / (disk_bytes / disk_bw + h2d_bytes / h2d_bw + hbm_bytes / hbm_bw)
+(tiers are taken as serial: an upper bound on time saved by overlap is reported beside it).
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Pinned host -> device copy bandwidth (best of repeats)."""
+    from numba import cuda
+    host = cuda.pinned_array(nbytes, np.uint8)
+    host[:] = 1
+    dev = cuda.device_array(nbytes, np.uint8)
+    s = cuda.stream()
+    dev.copy_to_device(host, stream=s)
+    s.synchronize()
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dev.copy_to_device(host, stream=s)
+        s.synchronize()
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def hbm_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device-to-device copy, bytes read + written (best of repeats)."""
+    from numba import cuda
+    a = cuda.device_array(nbytes, np.uint8)
+    b = cuda.device_array(nbytes, np.uint8)
+    s = cuda.stream()
+    b.copy_to_device(a, stream=s)
+    s.synchronize()
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        b.copy_to_device(a, stream=s)
+        s.synchronize()
+        best = max(best, 2 * nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def bound(per_token: dict, bw: dict) -> float:
+    """tokens/s allowed by moving per_token[tier] bytes at bw[tier] GB/s, tiers serial."""
+    t = sum(per_token[k] / (bw[k] * 1e9) for k in per_token if per_token[k] and bw.get(k))
+    return 1.0 / t if t > 0 else float("inf")
