@@ -100,12 +100,102 @@ def cpu_decode(preset: str = "mid", tokens: int = 32) -> dict:
             "cores": __import__("os").cpu_count()}
 
 
+def drop_page_cache(path) -> None:
+    """Evict a file from the page cache so the next reads come from the disk."""
+    import os
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def disk_read_gbps(path, nbytes: int = 2 << 30, block: int = 8 << 20) -> float:
+    """Sequential O_DIRECT read of the file's first nbytes, page cache dropped first."""
+    import mmap
+    import os
+    drop_page_cache(path)
+    buf = mmap.mmap(-1, block)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    n = min(nbytes, os.fstat(fd).st_size) // block * block
+    t = time.perf_counter()
+    off = 0
+    while off < n:
+        off += os.preadv(fd, [buf], off)
+    dt = time.perf_counter() - t
+    os.close(fd)
+    return n / dt / 1e9
+
+
+def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int, out_json=None,
+               resident_vram_gb: float | None = None) -> list:
+    """Decode and prefill tokens/s on the cuda backend under each RAM budget, page cache dropped
+    before each run, with the bound from bandwidths measured in this run."""
+    import engine
+    from engine.bandwidth import bound, h2d_gbps, hbm_gbps
+    arena = str(Path(model) / "experts.arena")
+    bw = {"disk": disk_read_gbps(arena), "h2d": h2d_gbps(), "hbm": hbm_gbps()}
+    print(f"measured: disk {bw['disk']:.2f} GB/s, pinned H2D {bw['h2d']:.1f} GB/s, "
+          f"HBM {bw['hbm']:.0f} GB/s", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    rows = []
+    runs = [(vram_gb, r) for r in ram_gbs]
+    if resident_vram_gb:
+        runs.append((resident_vram_gb, max(ram_gbs)))
+    for vram, ram in runs:
+        drop_page_cache(arena)
+        t = time.perf_counter()
+        m = engine.load(model, device="cuda", vram_gb=vram, ram_gb=ram, max_context=prompt_len + tokens + 8)
+        load_s = time.perf_counter() - t
+        prompt = rng.integers(0, m.config.vocab_size, prompt_len).tolist()
+        res = m.generate(prompt, max_new_tokens=tokens, temperature=0)
+        s = res.stats
+        pt = s["decode_per_token"]
+        per = {"disk": pt["disk_bytes"], "h2d": pt["h2d_bytes"], "hbm": pt["weight_bytes"]}
+        b = bound(per, bw)
+        row = {"vram_gb": vram, "ram_gb": ram, "all_resident": m.plan.all_resident,
+               "hot_experts": m.plan.hot_slots, "total_experts": m.plan.total_experts,
+               "load_s": load_s, "prefill_tokens": s["prefill_tokens"], "prefill_tok_s": s["prefill_tok_s"],
+               "decode_tokens": s["decode_tokens"], "decode_tok_s": s["decode_tok_s"],
+               "per_token_bytes": per, "bandwidth_GBps": bw, "bound_tok_s": b,
+               "achieved_over_bound": s["decode_tok_s"] / b, "vram": s.get("vram"),
+               "ram_cache": {k: s["experts"].get(k) for k in ("hit_rate", "hits", "misses", "evictions",
+                                                              "bytes_read", "read_gbps")},
+               "wait_host_s_per_token": pt["wait_host_s"], "compute_s_per_token": pt["compute_s"]}
+        rows.append(row)
+        print(f"vram {vram:g} GB ram {ram:g} GB: prefill {row['prefill_tok_s']:.0f} tok/s, decode "
+              f"{row['decode_tok_s']:.1f} tok/s | per token disk {per['disk'] / 1e6:.1f} MB, H2D "
+              f"{per['h2d'] / 1e6:.1f} MB, weights {per['hbm'] / 1e6:.0f} MB | bound {b:.1f} tok/s | "
+              f"achieved/bound {row['achieved_over_bound']:.2f}", file=sys.stderr)
+        if out_json:
+            Path(out_json).write_text(json.dumps(rows, indent=1))
+        m.experts.close()
+        del m
+        import gc
+        gc.collect()
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench")
-    p.add_argument("what", choices=["cpu-decode"])
+    p.add_argument("what", choices=["cpu-decode", "gpu-stream"])
     p.add_argument("--preset", choices=sorted(PRESETS), default="mid")
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--model", help="gpu-stream: a packed folder (engine.synth makes one)")
+    p.add_argument("--vram-gb", type=float, default=8.0)
+    p.add_argument("--ram-gb", type=float, nargs="+", default=[4.0, 8.0, 32.0])
+    p.add_argument("--resident-vram-gb", type=float, default=None,
+                   help="also run with this VRAM budget (all experts resident: the compute ceiling)")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--out", help="write the rows as JSON here")
     a = p.parse_args(argv)
+    if a.what == "gpu-stream":
+        gpu_stream(a.model, a.vram_gb, a.ram_gb, a.tokens, a.prompt_len, a.out, a.resident_vram_gb)
+        return 0
     r = cpu_decode(a.preset, a.tokens)
     print(json.dumps(r, indent=1))
     print(f"decode {r['decode_tok_s']:.2f} tok/s | {r['bytes_per_token'] / 1e6:.1f} MB/token | "

@@ -73,6 +73,21 @@ def saxpy_gbs(n: int = 1 << 28) -> float:
     return 3 * 4 * n / (ms * 1e-3) / 1e9
 
 
+def linear_gbs(n: int, k: int) -> float:
+    """bf16 matvec y [1, n] = x [1, k] @ w [n, k]^T: weight GB/s (graph of 4 launches)."""
+    from numba import cuda
+    from engine.graphs import capture_fn
+    from kernels_numba import gpu_dense as gd
+    w = cuda.device_array((n, k), np.uint16)
+    w.copy_to_device(np.zeros((n, k), np.uint16))
+    x = cuda.to_device(np.ones((1, k), np.float32))
+    y = cuda.device_array((1, n), np.float32)
+    stream = cuda.stream()
+    g = capture_fn(lambda st: [gd.linear(w, x, y, st) for _ in range(4)], stream)
+    ms = _time_ms(stream, lambda: g.launch(stream), 5) / 4
+    return n * k * 2 / (ms * 1e-3) / 1e9
+
+
 def expert_weight_bytes(fmt: str, h: int, i: int) -> int:
     from loader.layout import matrix_bytes
     return 12 + sum(sum(matrix_bytes(fmt, r, c)) for r, c in ((i, h), (i, h), (h, i)))
@@ -120,20 +135,20 @@ class ExpertSetup:
         self.bytes_gate_up = k * 2 * sum(matrix_bytes(fmt, i, h))
         self.bytes_down = self.bytes_per_layer - self.bytes_gate_up
 
-    def run(self, stream=None, part="both", variant="", min_blocks=0):
+    def run(self, stream=None, part="both", variant="", min_blocks=0, unroll=4):
         from kernels_numba import gpu_experts as ge
         st = stream or self.stream
         for l in range(self.layers):
             if part in ("both", "gate_up"):
                 ge.expert_gate_up(self.fmt, self.views, self.dlay, self.lh, self.slots[l], self.x,
-                                  self.act, st, variant, min_blocks)
+                                  self.act, st, variant, min_blocks, unroll)
             if part in ("both", "down"):
                 ge.expert_down(self.fmt, self.views, self.dlay, self.lh, self.slots[l], self.wts,
-                               self.act, self.out, st, False, variant, min_blocks)
+                               self.act, self.out, st, False, variant, min_blocks, unroll)
 
-    def layer_us(self, graph: bool, part="both", variant="", min_blocks=0) -> float:
+    def layer_us(self, graph: bool, part="both", variant="", min_blocks=0, unroll=4) -> float:
         from engine.graphs import capture_fn
-        run = lambda st=None: self.run(st, part, variant, min_blocks)  # noqa: E731
+        run = lambda st=None: self.run(st, part, variant, min_blocks, unroll)  # noqa: E731
         if graph:
             g = capture_fn(run, self.stream)
             us = _time_ms(self.stream, lambda: g.launch(self.stream), REPS) * 1e3 / self.layers
@@ -179,33 +194,52 @@ class DenseLayerSetup:
         self.parts = ga.alloc_partials(1, hq, d, s_max)
         self.experts = ExpertSetup("nvfp4", h, i, k, layers=1)
         self.stream = cuda.stream()
+        self._ops = self.ops()
         self.graph = capture_fn(self.run_eager, self.stream)
 
-    def run_eager(self, stream=None):
+    def ops(self):
+        """[(name, fn(stream))] of one decoder layer, in order."""
         from kernels_numba import gpu_attention as ga
         from kernels_numba import gpu_dense as gd
         from kernels_numba import gpu_experts as ge
         from kernels_numba import gpu_sampling as gs
-        st = stream or self.stream
-        hq, hkv, d = self.hq, self.hkv, self.d
-        gd.rmsnorm(self.x, self.n1, 1e-6, self.xn, st)
-        gd.linear(self.wqkv, self.xn, self.qkv.reshape(1, self.qkv.shape[0]), st)
-        # q / k head norms and rope on the projected q and the new k (the cache write of the
-        # new k / v is left out: a 1 KB copy)
-        gd.rmsnorm(self.q.reshape(hq, d), self.qn, 1e-6, self.q.reshape(hq, d), st)
-        gd.rmsnorm(self.knew.reshape(hkv, d), self.kn, 1e-6, self.knew.reshape(hkv, d), st)
-        gd.rope(self.q, self.pos, self.inv_freq, st)
-        gd.rope(self.knew, self.pos, self.inv_freq, st)
-        ga.attention(self.q, self.kc, self.vc, self.pos, d ** -0.5, self.attn, self.parts, st)
-        gd.linear(self.wo, self.attn.reshape(1, hq * d), self.o, st)
-        gd.add(self.x.reshape(self.h), self.o.reshape(self.h), self.x.reshape(self.h), st)
-        gd.rmsnorm(self.x, self.n2, 1e-6, self.xn, st)
-        gd.linear(self.wr, self.xn, self.logits, st)
-        gs.router_topk(self.logits, True, self.ids, self.rw, st)
+        hq, hkv, d, h = self.hq, self.hkv, self.d, self.h
         ex = self.experts
-        ge.expert_mlp("nvfp4", ex.views, ex.dlay, ex.lh, ex.slots[0], self.rw.reshape(-1),
-                      self.xn.reshape(self.h), ex.act, self.x.reshape(self.h), st,
-                      accumulate=True)
+        # the cache write of the new k / v is left out (a 1 KB copy)
+        return [
+            ("rmsnorm", lambda st: gd.rmsnorm(self.x, self.n1, 1e-6, self.xn, st)),
+            ("qkv", lambda st: gd.linear(self.wqkv, self.xn, self.qkv.reshape(1, self.qkv.shape[0]), st)),
+            ("q_norm", lambda st: gd.rmsnorm(self.q.reshape(hq, d), self.qn, 1e-6, self.q.reshape(hq, d), st)),
+            ("k_norm", lambda st: gd.rmsnorm(self.knew.reshape(hkv, d), self.kn, 1e-6,
+                                             self.knew.reshape(hkv, d), st)),
+            ("rope_q", lambda st: gd.rope(self.q, self.pos, self.inv_freq, st)),
+            ("rope_k", lambda st: gd.rope(self.knew, self.pos, self.inv_freq, st)),
+            ("attention", lambda st: ga.attention(self.q, self.kc, self.vc, self.pos, d ** -0.5,
+                                                  self.attn, self.parts, st)),
+            ("o_proj", lambda st: gd.linear(self.wo, self.attn.reshape(1, hq * d), self.o, st)),
+            ("residual", lambda st: gd.add(self.x.reshape(h), self.o.reshape(h), self.x.reshape(h), st)),
+            ("rmsnorm2", lambda st: gd.rmsnorm(self.x, self.n2, 1e-6, self.xn, st)),
+            ("router", lambda st: gd.linear(self.wr, self.xn, self.logits, st)),
+            ("topk", lambda st: gs.router_topk(self.logits, True, self.ids, self.rw, st)),
+            ("experts", lambda st: ge.expert_mlp("nvfp4", ex.views, ex.dlay, ex.lh, ex.slots[0],
+                                                 self.rw.reshape(-1), self.xn.reshape(h), ex.act,
+                                                 self.x.reshape(h), st, accumulate=True)),
+        ]
+
+    def run_eager(self, stream=None):
+        st = stream or self.stream
+        for _, fn in self._ops:
+            fn(st)
+
+    def breakdown_us(self, reps=8):
+        """Each op alone, as a graph of `reps` copies of it: microseconds per op."""
+        from engine.graphs import capture_fn
+        out = {}
+        for name, fn in self._ops:
+            g = capture_fn(lambda st, fn=fn: [fn(st) for _ in range(reps)], self.stream)
+            out[name] = _time_ms(self.stream, lambda: g.launch(self.stream), 5) * 1e3 / reps
+            g.destroy()
+        return out
 
     def layer_us(self, graph: bool) -> float:
         fn = (lambda: self.graph.launch(self.stream)) if graph else self.run_eager
@@ -274,18 +308,20 @@ def main(out_path=None):
     res["saxpy_gbs"] = saxpy_gbs()
     print(f"HBM: d2d copy {res['copy_gbs']:.0f} GB/s, saxpy {res['saxpy_gbs']:.0f} GB/s", flush=True)
     rows = []
-    variants = {"nvfp4": [("", 0), ("arith", 0), ("", 3)], "fp8": [("", 0)], "bf16": [("", 0)]}
+    variants = {"nvfp4": [("", 0, 4), ("", 0, 2), ("arith", 0, 2), ("", 2, 4)],
+                "fp8": [("", 0, 4), ("", 0, 2)], "bf16": [("", 0, 4), ("", 0, 2)]}
     for fmt in ("nvfp4", "fp8", "bf16"):
         for name, (h, i, k) in SHAPES.items():
             t0 = time.time()
             s = ExpertSetup(fmt, h, i, k)
             b = s.bytes_per_layer
-            for variant, mb in variants[fmt]:
-                ge_us = s.layer_us(False, variant=variant, min_blocks=mb)
-                gg_us = s.layer_us(True, variant=variant, min_blocks=mb)
-                gu_us = s.layer_us(True, "gate_up", variant, mb)
-                dn_us = s.layer_us(True, "down", variant, mb)
-                tag = fmt + ("-" + variant if variant else "") + (f"-lb{mb}" if mb else "")
+            for variant, mb, un in variants[fmt]:
+                ge_us = s.layer_us(False, variant=variant, min_blocks=mb, unroll=un)
+                gg_us = s.layer_us(True, variant=variant, min_blocks=mb, unroll=un)
+                gu_us = s.layer_us(True, "gate_up", variant, mb, un)
+                dn_us = s.layer_us(True, "down", variant, mb, un)
+                tag = (fmt + ("-" + variant if variant else "") + (f"-lb{mb}" if mb else "")
+                       + f"-u{un}")
                 row = dict(fmt=tag, shape=name, h=h, i=i, k=k, mb_per_layer=b / 1e6,
                            eager_us=ge_us, graph_us=gg_us, eager_gbs=b / ge_us / 1e3,
                            graph_gbs=b / gg_us / 1e3, gate_up_us=gu_us, down_us=dn_us,
@@ -306,6 +342,11 @@ def main(out_path=None):
     res["dense_layer_eager_us"] = d.layer_us(False)
     res["dense_layer_graph_us"] = d.layer_us(True)
     res["dense_layer_nodes"] = d.graph.nodes
+    res["dense_layer_breakdown_us"] = d.breakdown_us()
+    print("  per op (us): " + ", ".join(f"{k} {v:.1f}" for k, v in res["dense_layer_breakdown_us"].items()))
+    res["lm_head_gbs"] = linear_gbs(151936, 2048)
+    print(f"lm_head bf16 151936 x 2048 matvec: {res['lm_head_gbs']:.0f} GB/s = "
+          f"{res['lm_head_gbs'] / res['copy_gbs']:.2f} of copy")
     print(f"Qwen3-30B-A3B decoder layer (T=1, pos 2047, bf16 dense, nvfp4 top-8): eager "
           f"{res['dense_layer_eager_us']:.1f} us, graph {res['dense_layer_graph_us']:.1f} us "
           f"({d.graph.nodes} nodes)", flush=True)
