@@ -152,7 +152,9 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
         m = engine.load(model, device="cuda", vram_gb=vram, ram_gb=ram, max_context=prompt_len + tokens + 8)
         load_s = time.perf_counter() - t
         prompt = rng.integers(0, m.config.vocab_size, prompt_len).tolist()
-        res = m.generate(prompt, max_new_tokens=tokens, temperature=0)
+        # sampled, not greedy: a random-weight model repeats one token under greedy decoding,
+        # which would route every step to the same experts
+        res = m.generate(prompt, max_new_tokens=tokens, temperature=1.0, seed=0)
         s = res.stats
         pt = s["decode_per_token"]
         per = {"disk": pt["disk_bytes"], "h2d": pt["h2d_bytes"], "hbm": pt["weight_bytes"]}

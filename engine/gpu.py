@@ -70,8 +70,12 @@ class GpuRunState:
 
 
 class GpuDecoder:
-    def __init__(self, c, weight, experts_host, plan, layout, on_route=None, prefill_batch: int = 32):
+    def __init__(self, c, weight, experts_host, plan, layout, on_route=None, prefill_batch: int = 32,
+                 max_context: int = 4096, use_graphs: bool = True):
         """weight(key, layer) -> host array; experts_host: get/contains over expert blocks."""
+        self.max_context = max_context
+        self.use_graphs = use_graphs
+        self._graphs = None
         from engine.residency import VramResidency
         self.c = c
         self.on_route = on_route
@@ -89,7 +93,10 @@ class GpuDecoder:
         self.views = gx.bank_views(self.res.bank)
         self.prefill_batch = prefill_batch
         self.slots_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)
-        self.slots_d = cuda.device_array((c.n_layers, c.top_k), np.int32)
+        self.slots_h[:] = 0
+        self.slots_d = cuda.to_device(np.zeros((c.n_layers, c.top_k), np.int32))   # slot 0 is valid
+        self.ids_all_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)       # decode routing
+        self.slot_of_d = None   # int32 [L, E] device slot table when every expert is resident
         self.one = Buffers(c, 1, 1)   # placeholder until a state fixes S_max
         self.chunk = None
         self.state = None
@@ -117,9 +124,10 @@ class GpuDecoder:
     def new_state(self, max_context: int) -> GpuRunState:
         """Reuses the preallocated state when it is large enough (nothing allocated per request)."""
         if self.state is None or self.state.max_context < max_context:
-            self.state = GpuRunState(self.c, max_context)
-            self.one = Buffers(self.c, 1, max_context)
+            self.state = GpuRunState(self.c, max(max_context, self.max_context))
+            self.one = Buffers(self.c, 1, self.state.max_context)
             self.chunk = None
+            self._graphs = None
         self.state.pos = 0
         return self.state
 
@@ -149,6 +157,8 @@ class GpuDecoder:
     def _forward_chunk(self, ids, st, all_logits, last):
         c, cs = self.c, self.cs
         t = len(ids)
+        if t == 1 and self.use_graphs and not all_logits:
+            return self._decode_graphed(int(ids[0]), st)
         b = self._buffers(t)
         b.tok_h[:t] = ids
         b.pos_h[:t] = np.arange(st.pos, st.pos + t, dtype=np.int32)
@@ -178,6 +188,121 @@ class GpuDecoder:
         self.logits_d[:n].copy_to_host(self.logits_h[:n], stream=cs)
         cs.synchronize()
         return np.array(self.logits_h[:n])
+
+    # ---- decode as CUDA graphs ----------------------------------------------------------------
+    # Segments captured once per run state, replayed every token: embed; per layer the dense
+    # work + router (ids copied to pinned host memory inside the graph) and the expert launch
+    # pair through the device slot table; the head (logits to the host). When every expert is
+    # resident, the slot table is filled on the device and the whole token is one graph.
+
+    def _seg_embed(self):
+        b, cs = self.one, self.cs
+        b.tok.copy_to_device(b.tok_h, stream=cs)
+        b.pos.copy_to_device(b.pos_h, stream=cs)
+        gd.embed(b.tok, self.w("embed"), b.x, cs)
+
+    def _seg_layer_dense(self, l, st):
+        b, c, cs = self.one, self.c, self.cs
+        self._attention(l, b, 1, st)
+        if l not in c.moe_layers:
+            self._dense_mlp(l, b, 1)
+            return
+        gd.rmsnorm(b.x, self.w("mlp_norm", l), c.rms_eps, b.h, cs)
+        self._linear(self.w("router", l), b.h, b.rl)
+        gs.router_topk(b.rl, c.norm_topk_prob, b.ids, b.w, cs)
+        b.ids[0].copy_to_host(self.ids_all_h[l], stream=cs)
+
+    def _seg_experts(self, l, device_slots: bool):
+        b, c, cs = self.one, self.c, self.cs
+        if device_slots:
+            gm.map_slots(b.ids, self.slot_of_d[l], self.slots_d[l], cs)
+        else:
+            self.slots_d[l].copy_to_device(self.slots_h[l], stream=cs)
+        gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0], b.h[0],
+                      b.act[:c.top_k], b.moe[0], cs)
+        gd.add(b.x.reshape(-1), b.moe[0], b.x.reshape(-1), cs)
+
+    def _seg_head(self):
+        b, c, cs = self.one, self.c, self.cs
+        gd.rmsnorm(b.x, self.w("final_norm"), c.rms_eps, b.h, cs)
+        lw = self.w("embed") if c.tie_embeddings else self.w("lm_head")
+        self._linear(lw, b.h, self.logits_d[:1])
+        self.logits_d[:1].copy_to_host(self.logits_h[:1], stream=cs)
+
+    def _resident_all(self) -> bool:
+        """Every expert in its own slot: load them once, then route on the device."""
+        c = self.c
+        if not self.plan.all_resident:
+            return False
+        if self.slot_of_d is None:
+            keys = [(l, e) for l in c.moe_layers for e in range(c.n_experts) if (l, e) not in self.res.slot_of]
+            for key in keys:
+                self.res.slots_for_hot(key)
+            table = np.zeros((c.n_layers, c.n_experts), np.int32)
+            for (l, e), slot in self.res.slot_of.items():
+                table[l, e] = slot
+            self.slot_of_d = cuda.to_device(table, stream=self.cs)
+            self.cs.synchronize()
+        return True
+
+    def _capture(self, st):
+        from engine.graphs import capture_fn
+        c, cs, b = self.c, self.cs, self.one
+        if self.logits_d is None:
+            self.logits_d = cuda.device_array((1, c.vocab_size), np.float32)
+            self.logits_h = cuda.pinned_array((1, c.vocab_size), np.float32)
+        # warm-up runs execute for real: point them at the last cache row, which any real
+        # sequence overwrites before it reads it
+        b.tok_h[0], b.pos_h[0] = 0, st.max_context - 1
+        resident = self._resident_all()
+        if resident:
+            def token(s):
+                self._seg_embed()
+                for l in range(c.n_layers):
+                    self._seg_layer_dense(l, st)
+                    if l in c.moe_layers:
+                        self._seg_experts(l, True)
+                self._seg_head()
+            self._graphs = {"token": capture_fn(token, cs)}
+        else:
+            g = {"embed": capture_fn(lambda s: self._seg_embed(), cs),
+                 "head": capture_fn(lambda s: self._seg_head(), cs)}
+            for l in range(c.n_layers):
+                g[("dense", l)] = capture_fn(lambda s, l=l: self._seg_layer_dense(l, st), cs)
+                if l in c.moe_layers:
+                    g[("experts", l)] = capture_fn(lambda s, l=l: self._seg_experts(l, False), cs)
+            self._graphs = g
+        cs.synchronize()
+
+    def _decode_graphed(self, tid: int, st) -> np.ndarray:
+        c, cs, b = self.c, self.cs, self.one
+        if self._graphs is None:
+            self._capture(st)
+        g = self._graphs
+        b.tok_h[0], b.pos_h[0] = tid, st.pos
+        if "token" in g:
+            g["token"].launch(cs)
+            cs.synchronize()
+            self.res.stats.vram_hits += len(c.moe_layers) * c.top_k
+            if self.on_route is not None:
+                for l in c.moe_layers:
+                    self.on_route(l, np.array(self.ids_all_h[l:l + 1]))
+        else:
+            g["embed"].launch(cs)
+            for l in range(c.n_layers):
+                g[("dense", l)].launch(cs)
+                if l not in c.moe_layers:
+                    continue
+                cs.synchronize()
+                ids = np.array(self.ids_all_h[l:l + 1])
+                if self.on_route is not None:
+                    self.on_route(l, ids)
+                self.slots_h[l] = self.res.resolve(l, ids[0])
+                g[("experts", l)].launch(cs)
+            g["head"].launch(cs)
+            cs.synchronize()
+        st.pos += 1
+        return np.array(self.logits_h[:1])
 
     def _linear(self, w, x, y):
         (gd.gemm if x.shape[0] >= GEMM_MIN_T else gd.linear)(w, x, y, self.cs)

@@ -66,10 +66,7 @@ class VramResidency:
         for key in keys:
             if not self.free:
                 break
-            slot = self.free.pop()
-            self._copy_in(key, slot)
-            self.slot_of[key] = slot
-            self.hot.add(key)
+            self.slots_for_hot(key)
             placed += 1
         self.xs.synchronize()
         return placed
@@ -86,6 +83,18 @@ class VramResidency:
         self.stats.host_wait_s += time.perf_counter() - t
         self.bank[slot].copy_to_device(block[:self.block_bytes], stream=self.xs)
         self.stats.h2d_bytes += self.block_bytes
+
+    def slots_for_hot(self, key) -> int:
+        """Place one more key permanently."""
+        if key in self.slot_of:
+            return self.slot_of[key]
+        if not self.free:
+            raise ResidencyError(f"no free VRAM slot for expert {key}")
+        slot = self.free.pop()
+        self._copy_in(key, slot)
+        self.slot_of[key] = slot
+        self.hot.add(key)
+        return slot
 
     def resolve(self, layer: int, experts, protect=(), after=None) -> list[int]:
         """Slots of (layer, e) for e in experts, copying in what is not resident."""

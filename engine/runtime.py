@@ -265,7 +265,8 @@ class Engine:
                              dense_bytes=dense_bytes, kv_bytes=kv, run_state_bytes=run_state,
                              block_bytes=layout.block_bytes, top_k=c.top_k, total_experts=total_experts)
         print(p.describe(), file=sys.stderr)
-        dec = GpuDecoder(c, self._weight, host, p, layout, on_route, prefill_batch)
+        dec = GpuDecoder(c, self._weight, host, p, layout, on_route, prefill_batch,
+                         max_context=self.max_context)
         dec.upload_all([(k, l) for k, l in _dense_keys(c)])
         if hot_from:
             from engine.profile import RoutingProfile
