@@ -131,8 +131,19 @@ def disk_read_gbps(path, nbytes: int = 2 << 30, block: int = 8 << 20) -> float:
     return n / dt / 1e9
 
 
+def uniform_router(n_experts: int, top_k: int, seed: int = 0):
+    """Routing drawn uniformly at random (no locality: the caches' worst case). Random-weight
+    models route nearly every token to the same experts, which would hide the streaming."""
+    rng = np.random.default_rng(seed)
+
+    def route(layer, ids):
+        return np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(ids.shape[0])]
+                        ).astype(np.int32)
+    return route
+
+
 def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int, out_json=None,
-               resident_vram_gb: float | None = None) -> list:
+               resident_vram_gb: float | None = None, route: str = "model") -> list:
     """Decode and prefill tokens/s on the cuda backend under each RAM budget, page cache dropped
     before each run, with the bound from bandwidths measured in this run."""
     import engine
@@ -152,6 +163,9 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
         m = engine.load(model, device="cuda", vram_gb=vram, ram_gb=ram, max_context=prompt_len + tokens + 8)
         load_s = time.perf_counter() - t
         prompt = rng.integers(0, m.config.vocab_size, prompt_len).tolist()
+        if route == "uniform":
+            m.gpu.route_override = uniform_router(m.config.n_experts, m.config.top_k)
+            m.gpu.speculate = False
         # sampled, not greedy: a random-weight model repeats one token under greedy decoding,
         # which would route every step to the same experts
         res = m.generate(prompt, max_new_tokens=tokens, temperature=1.0, seed=0)
@@ -159,7 +173,7 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
         pt = s["decode_per_token"]
         per = {"disk": pt["disk_bytes"], "h2d": pt["h2d_bytes"], "hbm": pt["weight_bytes"]}
         b = bound(per, bw)
-        row = {"vram_gb": vram, "ram_gb": ram, "all_resident": m.plan.all_resident,
+        row = {"vram_gb": vram, "ram_gb": ram, "all_resident": m.plan.all_resident, "route": route,
                "hot_experts": m.plan.hot_slots, "total_experts": m.plan.total_experts,
                "load_s": load_s, "prefill_tokens": s["prefill_tokens"], "prefill_tok_s": s["prefill_tok_s"],
                "decode_tokens": s["decode_tokens"], "decode_tok_s": s["decode_tok_s"],
@@ -169,7 +183,7 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
                                                               "bytes_read", "read_gbps")},
                "wait_host_s_per_token": pt["wait_host_s"], "compute_s_per_token": pt["compute_s"]}
         rows.append(row)
-        print(f"vram {vram:g} GB ram {ram:g} GB: prefill {row['prefill_tok_s']:.0f} tok/s, decode "
+        print(f"[{route} routing] vram {vram:g} GB ram {ram:g} GB: prefill {row['prefill_tok_s']:.0f} tok/s, decode "
               f"{row['decode_tok_s']:.1f} tok/s | per token disk {per['disk'] / 1e6:.1f} MB, H2D "
               f"{per['h2d'] / 1e6:.1f} MB, weights {per['hbm'] / 1e6:.0f} MB | bound {b:.1f} tok/s | "
               f"achieved/bound {row['achieved_over_bound']:.2f}", file=sys.stderr)
@@ -194,9 +208,12 @@ def main(argv=None) -> int:
                    help="also run with this VRAM budget (all experts resident: the compute ceiling)")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--route", choices=("model", "uniform"), default="model",
+                   help="uniform: replace the model's routing by uniform random draws (forces streaming)")
     a = p.parse_args(argv)
     if a.what == "gpu-stream":
-        gpu_stream(a.model, a.vram_gb, a.ram_gb, a.tokens, a.prompt_len, a.out, a.resident_vram_gb)
+        gpu_stream(a.model, a.vram_gb, a.ram_gb, a.tokens, a.prompt_len, a.out, a.resident_vram_gb,
+                   a.route)
         return 0
     r = cpu_decode(a.preset, a.tokens)
     print(json.dumps(r, indent=1))

@@ -96,7 +96,15 @@ class GpuDecoder:
         self.slots_h[:] = 0
         self.slots_d = cuda.to_device(np.zeros((c.n_layers, c.top_k), np.int32))   # slot 0 is valid
         self.ids_all_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)       # decode routing
+        self.spec_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)          # predicted routing
+        self.speculate = True
+        self.route_override = None   # benchmarks: replace routing (host side) to force streaming
+        moe = list(c.moe_layers)
+        self.next_moe = {l: (moe[i + 1] if i + 1 < len(moe) else None) for i, l in enumerate(moe)}
         self.slot_of_d = None   # int32 [L, E] device slot table when every expert is resident
+        self.rl_spec = cuda.device_array((1, c.n_experts), np.float32)
+        self.ids_spec = cuda.device_array((1, c.top_k), np.int32)
+        self.w_spec = cuda.device_array((1, c.top_k), np.float32)
         self.one = Buffers(c, 1, 1)   # placeholder until a state fixes S_max
         self.chunk = None
         self.state = None
@@ -211,6 +219,13 @@ class GpuDecoder:
         self._linear(self.w("router", l), b.h, b.rl)
         gs.router_topk(b.rl, c.norm_topk_prob, b.ids, b.w, cs)
         b.ids[0].copy_to_host(self.ids_all_h[l], stream=cs)
+        nl = self.next_moe[l]
+        if self.speculate and nl is not None and not self.plan.all_resident:
+            # the next MoE layer's router on this layer's input: its experts can start copying
+            # while this layer computes
+            self._linear(self.w("router", nl), b.h, self.rl_spec)
+            gs.router_topk(self.rl_spec, c.norm_topk_prob, self.ids_spec, self.w_spec, cs)
+            self.ids_spec[0].copy_to_host(self.spec_h[nl], stream=cs)
 
     def _seg_experts(self, l, device_slots: bool):
         b, c, cs = self.one, self.c, self.cs
@@ -235,8 +250,9 @@ class GpuDecoder:
         if not self.plan.all_resident:
             return False
         if self.slot_of_d is None:
+            from tqdm import tqdm
             keys = [(l, e) for l in c.moe_layers for e in range(c.n_experts) if (l, e) not in self.res.slot_of]
-            for key in keys:
+            for key in tqdm(keys, desc="experts -> VRAM", unit="block", disable=len(keys) < 256):
                 self.res.slots_for_hot(key)
             table = np.zeros((c.n_layers, c.n_experts), np.int32)
             for (l, e), slot in self.res.slot_of.items():
@@ -295,10 +311,18 @@ class GpuDecoder:
                     continue
                 cs.synchronize()
                 ids = np.array(self.ids_all_h[l:l + 1])
+                if self.route_override is not None:
+                    ids = self.route_override(l, ids)
                 if self.on_route is not None:
                     self.on_route(l, ids)
                 self.slots_h[l] = self.res.resolve(l, ids[0])
                 g[("experts", l)].launch(cs)
+                nl = self.next_moe[l]
+                if self.speculate and nl is not None:
+                    pred = np.array(self.spec_h[nl])
+                    if self.route_override is not None:
+                        pred = self.route_override(nl, pred[None])[0]
+                    self.res.speculate(nl, pred, protect={(l, int(e)) for e in ids[0]})
             g["head"].launch(cs)
             cs.synchronize()
         st.pos += 1
@@ -365,6 +389,8 @@ class GpuDecoder:
             b.w[:t].copy_to_host(b.w_h[:t], stream=cs)
         cs.synchronize()
         ids = np.array(b.ids_h[:t])
+        if self.route_override is not None:
+            ids = self.route_override(l, ids)
         if self.on_route is not None:
             self.on_route(l, ids)
         return ids

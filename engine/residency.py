@@ -28,13 +28,18 @@ class VramStats:
     disk_reads: int = 0
     h2d_bytes: int = 0
     host_wait_s: float = 0.0   # time the decode thread spent getting blocks from the host tier
+    spec_predicted: int = 0    # routed experts the speculative router had predicted
+    spec_routed: int = 0       # routed experts in layers that had a prediction
+    spec_copies: int = 0       # blocks copied to VRAM on a prediction
+    spec_wasted_bytes: int = 0  # of those, bytes for experts the layer did not route to
 
     def as_dict(self) -> dict:
         d = asdict(self)
         n = self.vram_hits + self.ram_hits + self.disk_reads
         d.update(vram_hit_rate=self.vram_hits / n if n else 0.0,
                  ram_hit_rate=self.ram_hits / n if n else 0.0,
-                 disk_rate=self.disk_reads / n if n else 0.0)
+                 disk_rate=self.disk_reads / n if n else 0.0,
+                 spec_accuracy=self.spec_predicted / self.spec_routed if self.spec_routed else None)
         return d
 
 
@@ -55,6 +60,7 @@ class VramResidency:
         self.free = list(range(n_slots - 1, -1, -1))
         self.stats = VramStats()
         self._evt = cuda.event()
+        self._spec: dict = {}       # layer -> (event, predicted keys, keys copied on the prediction)
 
     @property
     def n_slots(self) -> int:
@@ -96,9 +102,44 @@ class VramResidency:
         self.hot.add(key)
         return slot
 
+    def speculate(self, layer: int, predicted, protect=()) -> None:
+        """Start copies for a layer's predicted experts, taking only blocks already in host RAM
+        (the rest become host prefetches), so a prediction never waits on the disk."""
+        keys = [(layer, int(e)) for e in predicted]
+        keep = set(protect) | set(keys)
+        copied = set()
+        for key in keys:
+            if key in self.slot_of:
+                continue
+            if not self.host.contains(*key):
+                prefetch = getattr(self.host, "prefetch", None)
+                if prefetch is not None:
+                    prefetch(key[0], [key[1]])
+                continue
+            slot = self._take_slot(keep)
+            self._copy_in(key, slot)
+            self.slot_of[key] = slot
+            self.lru[key] = slot
+            copied.add(key)
+        evt = None
+        if copied:
+            evt = cuda.event()
+            evt.record(self.xs)
+        self.stats.spec_copies += len(copied)
+        self._spec[layer] = (evt, set(keys), copied)
+
     def resolve(self, layer: int, experts, protect=(), after=None) -> list[int]:
         """Slots of (layer, e) for e in experts, copying in what is not resident."""
         keep = set(protect) | {(layer, int(e)) for e in experts}
+        spec = self._spec.pop(layer, None)
+        if spec is not None:
+            evt, predicted, copied = spec
+            routed = {(layer, int(e)) for e in experts}
+            self.stats.spec_routed += len(routed)
+            self.stats.spec_predicted += len(routed & predicted)
+            self.stats.spec_wasted_bytes += len(copied - routed) * self.block_bytes
+            if evt is not None:
+                evt.wait(self.cs)
         copied = False
         out = []
         for e in experts:

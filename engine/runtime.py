@@ -273,6 +273,8 @@ class Engine:
             prof = RoutingProfile.load(hot_from, c.n_layers, c.n_experts)
             n = dec.res.pin_hot(prof.hot_set(p.hot_slots, c.moe_layers))
             print(f"hot set: {n} experts pinned in VRAM by profile rank ({hot_from})", file=sys.stderr)
+        if p.all_resident:
+            dec._resident_all()   # every expert into its slot now, not inside the first token
         self.gpu = dec
         return dec
 

@@ -40,6 +40,7 @@ ACC_DN = 2 * TT
 MAX_K = 64                                   # routed experts per token, at most
 SHARED_LIMIT = 48 * 1024                     # static + dynamic shared bytes without opt-in
 UNROLL = 4                                   # decode kernels: chunks in flight per lane and row
+STAGE = 8                                    # staging x / act into shared: loads in flight
 TWO_POW_120 = float32(2.0 ** 120)
 
 
@@ -209,9 +210,16 @@ def _make_kernels(fmt: str, min_blocks: int = 0, unroll: int = UNROLL):
         Hs = lay[8]
         nch = Hs // CW
         tables(tab, s8)
-        for e in range(tid, Hs, nt):
-            c = e // CW
-            xs[c * CP + e - c * CW] = x[e] if e < H else float32(0.0)
+        stv = cuda.local.array(STAGE, float32)
+        for e0 in range(tid, Hs, nt * STAGE):        # stage x: STAGE loads in flight a thread
+            for u in range(STAGE):
+                e = e0 + u * nt
+                stv[u] = x[min(e, H - 1)] if e < H else float32(0.0)
+            for u in range(STAGE):
+                e = e0 + u * nt
+                if e < Hs:
+                    c = e // CW
+                    xs[c * CP + e - c * CW] = stv[u]
         cuda.syncthreads()
         lane = tid % WARP
         r0 = (cuda.blockIdx.x * (nt // WARP) + tid // WARP) * ROWS_PER_WARP
@@ -291,11 +299,20 @@ def _make_kernels(fmt: str, min_blocks: int = 0, unroll: int = UNROLL):
             s = slots[tid]
             sl[tid] = s
             ks[tid] = weights[tid] * bankf[s, 2]
-        for e in range(tid, K * Is, nt):
-            k2 = e // Is
-            i = e - k2 * Is
-            c = k2 * nch + i // CW
-            As[c * CP + i % CW] = act[k2, i] if i < I else float32(0.0)
+        stv = cuda.local.array(STAGE, float32)
+        for e0 in range(tid, K * Is, nt * STAGE):    # stage act: STAGE loads in flight a thread
+            for u in range(STAGE):
+                e = min(e0 + u * nt, K * Is - 1)
+                k2 = e // Is
+                i = e - k2 * Is
+                stv[u] = act[k2, min(i, I - 1)] if i < I else float32(0.0)
+            for u in range(STAGE):
+                e = e0 + u * nt
+                if e < K * Is:
+                    k2 = e // Is
+                    i = e - k2 * Is
+                    c = k2 * nch + i // CW
+                    As[c * CP + i % CW] = stv[u]
         cuda.syncthreads()
         lane = tid % WARP
         r0 = (cuda.blockIdx.x * (nt // WARP) + tid // WARP) * ROWS_PER_WARP
