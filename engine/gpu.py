@@ -20,7 +20,7 @@ from kernels_numba import gpu_experts as gx
 from kernels_numba import gpu_misc as gm
 from kernels_numba import gpu_sampling as gs
 
-PREFILL_CHUNK = 512      # tokens per prefill pass (buffers are sized for this)
+PREFILL_CHUNK = 2048     # tokens per prefill pass: a whole prompt up to this reads each expert once per layer
 GEMM_MIN_T = 8           # below this many tokens the matvec kernel beats the tiled GEMM
 
 
