@@ -1,5 +1,12 @@
-"""The embedded demo model: a small qwen3_moe with RANDOM weights, built deterministically on first
-use into the user cache dir. It proves the install works; its text is noise."""
+"""The embedded demo model, and random-weight models for tests and benchmarks.
+
+The demo is a small qwen3_moe trained on the Python standard library's own source
+(tools/train_demo.py; docs/demo-model.md), shipped packed (NVFP4 experts, bf16 dense) in
+engine/data/demo/ so `python -m engine.generate` with no --model runs offline. Its continuation of
+"def " looks like Python; it knows nothing else.
+
+`build_random_model` writes a random-weight folder of any family from a config dict (DEMO_CONFIG
+is a small qwen3_moe one, with the byte-level tokenizer's 259 ids); the text of those is noise."""
 from __future__ import annotations
 
 import json
@@ -9,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-DEMO_NAME = "demo-random-qwen3moe-v1"
+DEMO_NAME = "moe-stream-demo-stdlib-v1"       # the name engine.serve gives the shipped demo
+DEMO_DIR = Path(__file__).parent / "data" / "demo"
+
+# a small random qwen3_moe for build_random_model (tests, serve tests); not the shipped demo
 DEMO_CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
     "vocab_size": 259, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
@@ -81,13 +91,15 @@ def build_random_model(dst: Path, config: dict, seed: int = 0, bf16: bool = Fals
 
 
 def demo_model_dir() -> Path:
-    dst = cache_dir() / DEMO_NAME
-    print("demo model: small qwen3_moe with RANDOM weights: the install works, the text is noise "
-          "(pass --model DIR for a real checkpoint)", file=sys.stderr)
-    if not (dst / "config.json").is_file():
-        print(f"building it once in {dst} ...", file=sys.stderr)
-        build_random_model(dst, DEMO_CONFIG)
-    return dst
+    """The shipped demo model folder (packed; inside the installed package, no download)."""
+    if not (DEMO_DIR / "manifest.json").is_file():
+        raise FileNotFoundError(f"the demo model is missing from {DEMO_DIR} (a broken install? "
+                                "tools/train_demo.py rebuilds it); pass --model DIR")
+    print("demo model: a 4-layer qwen3_moe (16 experts, NVFP4) trained for minutes on the Python "
+          "standard library: it writes Python-like text, nothing more (pass --model DIR for a "
+          "real checkpoint)", file=sys.stderr)
+    return DEMO_DIR
+
 
 # renamed; kept for callers written against the first name
 build_random_qwen3_moe = build_random_model

@@ -257,9 +257,11 @@ class Engine:
         ram = ram_gb if ram_gb is not None else getattr(self.experts, "budget", 0) / 1e9
         dense_bytes = sum(np.asarray(w).nbytes for w in self._dense.values())
         kv = 2 * c.n_layers * self.max_context * c.kv_dim * 4
-        a = PREFILL_CHUNK * c.top_k
-        run_state = 4 * (PREFILL_CHUNK * (6 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts)
-                         + a * (c.moe_intermediate + c.hidden) + c.vocab_size * 2)
+        from kernels_numba.gpu_attention import num_splits
+        t = min(PREFILL_CHUNK, self.max_context)
+        run_state = 4 * (t * (6 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts)
+                         + t * c.top_k * (c.moe_intermediate + c.hidden) + c.vocab_size * 2
+                         + t * c.n_heads * num_splits(self.max_context) * (c.head_dim + 2))
         total_experts = len(c.moe_layers) * c.n_experts
         self.plan = p = plan(vram_gb=vram, ram_gb=max(ram, 1e-9) if self.packed else 1e6,
                              dense_bytes=dense_bytes, kv_bytes=kv, run_state_bytes=run_state,

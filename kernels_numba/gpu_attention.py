@@ -25,7 +25,7 @@ ATT_THREADS = 64 if SIM else 128
 ATT_WARPS = ATT_THREADS // 32
 MAX_D = 256
 DL = MAX_D // WARP            # head-dim values per lane, at most
-SPLIT = 256                   # keys per block (default)
+SPLIT = 64                    # keys per block (default): many short blocks hide latency
 KB = 4                        # keys a warp scores at once
 _S16 = np.uint32(16)
 
@@ -40,7 +40,9 @@ def _ld_bf16(c, j, h, d):
     return int_as_float(uint32(c[j, h, d]) << _S16)
 
 
-def _make_partial(ld):
+def _make_partial(ld, DL):
+    KBDL = KB * DL
+
     @cuda.jit
     def partial(q, kc, vc, q_pos, scale, window, split, pm, pl, pacc):
         red = cuda.shared.array(ATT_THREADS, float32)
@@ -72,6 +74,7 @@ def _make_partial(ld):
         m = NEG_INF
         l = float32(0.0)
         sc = cuda.local.array(KB, float32)
+        vv = cuda.local.array(KBDL, float32)   # V rows of the KB keys, loaded with K
         for j0 in range(start, end, nw * KB):  # uniform trip count over the block
             jb = j0 + warp * KB                # this warp's KB keys: independent dots, so
             for u in range(KB):                # their loads and shuffles overlap
@@ -81,6 +84,7 @@ def _make_partial(ld):
                     d = lane + i * WARP
                     if d < D:
                         s += qv[i] * ld(kc, jj, kvh, d)
+                        vv[u * DL + i] = ld(vc, jj, kvh, d)
                 sc[u] = s
             for u in range(KB):
                 sc[u] = warp_sum(sc[u], red)
@@ -98,9 +102,7 @@ def _make_partial(ld):
                         e = math.exp(sc[u] - mn)
                         l += e
                         for i in range(DL):
-                            d = lane + i * WARP
-                            if d < D:
-                                acc[i] += e * ld(vc, jb + u, kvh, d)
+                            acc[i] += e * vv[u * DL + i]
                 m = mn
         if lane == 0:
             wm[warp] = m
@@ -129,8 +131,10 @@ def _make_partial(ld):
     return partial
 
 
-_partial_f32 = _make_partial(_ld_f32)
-_partial_bf16 = _make_partial(_ld_bf16)
+_PARTIAL = {(dt, dl): _make_partial(ld, dl) for dt, ld in (("f32", _ld_f32), ("bf16", _ld_bf16))
+            for dl in (DL // 2, DL)}    # head dims <= 128 and <= 256
+_partial_f32 = _PARTIAL["f32", DL]
+_partial_bf16 = _PARTIAL["bf16", DL]
 
 
 @cuda.jit
@@ -178,7 +182,7 @@ def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SP
     p = pm.shape[1]
     if p * split < kc.shape[0]:
         raise ValueError("partials were allocated for a smaller cache or a larger split")
-    kern = _partial_bf16 if kc.dtype == np.uint16 else _partial_f32
+    kern = _PARTIAL["bf16" if kc.dtype == np.uint16 else "f32", DL // 2 if d <= MAX_D // 2 else DL]
     kern[(t * hq, p), ATT_THREADS, stream](q, kc, vc, q_pos, float32(scale), int32(window),
                                           int32(split), pm, pl, pacc)
     _combine[t * hq, min(max(d, WARP), 256), stream](pm, pl, pacc, out)

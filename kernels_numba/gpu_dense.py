@@ -13,12 +13,14 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32, uint32, uint64
 
-from .gpu_util import M32, SIM, WARP, cdiv, int_as_float, warp_sum
+from .gpu_util import M32, SIM, WARP, block_sum, cdiv, int_as_float, warp_sum
 
 LIN_THREADS = 64 if SIM else 256    # linear: one warp per output row
 LIN_TT = 4                           # linear: tokens per pass over a weight row
 LIN_U = 4                            # linear: 8-byte loads in flight per lane
 NORM_THREADS = 64 if SIM else 128    # rmsnorm: one warp per row
+NORM_BLOCK = 64 if SIM else 512      # rmsnorm of long rows: one block per row
+NORM_BLOCK_MIN = 64 if SIM else 1024
 GEMM_BM = 64                         # gemm tile: 64 x 64 outputs, 16 inner, 256 threads x 4x4
 GEMM_BN = 64
 GEMM_BK = 16
@@ -198,11 +200,32 @@ def _rmsnorm(x, w, eps, w_offset, y):
             y[r, i] = x[r, i] * inv * (w[i] + w_offset)
 
 
+@cuda.jit
+def _rmsnorm_block(x, w, eps, w_offset, y):
+    """Long rows: one block a row (NORM_BLOCK threads), block reduction."""
+    red = cuda.shared.array(NORM_BLOCK, float32)
+    wred = cuda.shared.array(32, float32)
+    r = cuda.blockIdx.x
+    N = x.shape[1]
+    ss = float32(0.0)
+    for i in range(cuda.threadIdx.x, N, cuda.blockDim.x):
+        v = x[r, i]
+        ss += v * v
+    ss = block_sum(ss, red, wred)
+    inv = float32(1.0) / math.sqrt(ss / float32(N) + eps)
+    for i in range(cuda.threadIdx.x, N, cuda.blockDim.x):
+        y[r, i] = x[r, i] * inv * (w[i] + w_offset)
+
+
 def rmsnorm(x, w, eps, y, stream, w_offset=0.0):
-    """x [R, N] -> y [R, N] (y may be x). Per-head q/k norm: pass x as [T * nH, D]."""
-    r = x.shape[0]
-    _rmsnorm[cdiv(r, NORM_THREADS // WARP), NORM_THREADS, stream](
-        x, w, float32(eps), float32(w_offset), y)
+    """x [R, N] -> y [R, N] (y may be x). Per-head q/k norm: pass x as [T * nH, D].
+    Rows of N >= NORM_BLOCK_MIN take a block each, shorter rows a warp each."""
+    r, n = x.shape
+    if n >= NORM_BLOCK_MIN:
+        _rmsnorm_block[r, NORM_BLOCK, stream](x, w, float32(eps), float32(w_offset), y)
+    else:
+        _rmsnorm[cdiv(r, NORM_THREADS // WARP), NORM_THREADS, stream](
+            x, w, float32(eps), float32(w_offset), y)
 
 
 # ---- RoPE -------------------------------------------------------------------------------------

@@ -569,29 +569,30 @@ def down_shared_bytes(fmt: str, lay_host: np.ndarray, k: int) -> int:
     return int(k * (int(lay_host[9]) // cw) * (cw + 1) * 4)
 
 
-def gate_up_grid(lay_host: np.ndarray, groups: int) -> tuple[int, int]:
-    return cdiv(int(lay_host[7]), ROWS_PER_WARP * THREADS // WARP), groups
+def gate_up_grid(lay_host: np.ndarray, groups: int, threads: int = THREADS) -> tuple[int, int]:
+    return cdiv(int(lay_host[7]), ROWS_PER_WARP * threads // WARP), groups
 
 
-def down_grid(lay_host: np.ndarray) -> int:
-    return cdiv(int(lay_host[6]), ROWS_PER_WARP * THREADS // WARP)
+def down_grid(lay_host: np.ndarray, threads: int = THREADS) -> int:
+    return cdiv(int(lay_host[6]), ROWS_PER_WARP * threads // WARP)
 
 
 def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="", min_blocks=0,
-                   unroll=UNROLL):
-    """x float32 [H] -> act float32 [K, I] for the K experts in slots int32 [K]."""
+                   unroll=UNROLL, threads=THREADS):
+    """x float32 [H] -> act float32 [K, I] for the K experts in slots int32 [K].
+    threads: block size, a multiple of 32 up to THREADS (tuning)."""
     gate_up = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[0]
     b64, b8, bf = views
-    gate_up[gate_up_grid(lay_host, slots.shape[0]), THREADS, stream,
+    gate_up[gate_up_grid(lay_host, slots.shape[0], threads), threads, stream,
             gate_up_shared_bytes(fmt, lay_host)](b64, b8, bf, lay, slots, x, act)
 
 
 def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, accumulate=False,
-                variant="", min_blocks=0, unroll=UNROLL):
+                variant="", min_blocks=0, unroll=UNROLL, threads=THREADS):
     """act float32 [K, I] -> out float32 [H] = (out if accumulate) + sum_k weights[k] * down_k."""
     down = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[1]
     b64, b8, bf = views
-    down[down_grid(lay_host), THREADS, stream, down_shared_bytes(fmt, lay_host, slots.shape[0])](
+    down[down_grid(lay_host, threads), threads, stream, down_shared_bytes(fmt, lay_host, slots.shape[0])](
         b64, b8, bf, lay, slots, weights, act, out, int32(1 if accumulate else 0))
 
 

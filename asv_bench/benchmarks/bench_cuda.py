@@ -135,20 +135,22 @@ class ExpertSetup:
         self.bytes_gate_up = k * 2 * sum(matrix_bytes(fmt, i, h))
         self.bytes_down = self.bytes_per_layer - self.bytes_gate_up
 
-    def run(self, stream=None, part="both", variant="", min_blocks=0, unroll=4):
+    def run(self, stream=None, part="both", variant="", min_blocks=0, unroll=4, threads=256):
         from kernels_numba import gpu_experts as ge
         st = stream or self.stream
         for l in range(self.layers):
             if part in ("both", "gate_up"):
                 ge.expert_gate_up(self.fmt, self.views, self.dlay, self.lh, self.slots[l], self.x,
-                                  self.act, st, variant, min_blocks, unroll)
+                                  self.act, st, variant, min_blocks, unroll, threads)
             if part in ("both", "down"):
                 ge.expert_down(self.fmt, self.views, self.dlay, self.lh, self.slots[l], self.wts,
-                               self.act, self.out, st, False, variant, min_blocks, unroll)
+                               self.act, self.out, st, False, variant, min_blocks, unroll,
+                               threads)
 
-    def layer_us(self, graph: bool, part="both", variant="", min_blocks=0, unroll=4) -> float:
+    def layer_us(self, graph: bool, part="both", variant="", min_blocks=0, unroll=4,
+                 threads=256) -> float:
         from engine.graphs import capture_fn
-        run = lambda st=None: self.run(st, part, variant, min_blocks, unroll)  # noqa: E731
+        run = lambda st=None: self.run(st, part, variant, min_blocks, unroll, threads)  # noqa: E731
         if graph:
             g = capture_fn(run, self.stream)
             us = _time_ms(self.stream, lambda: g.launch(self.stream), REPS) * 1e3 / self.layers
@@ -301,41 +303,52 @@ class DenseLayer:
     track_eager_us.unit = "us"
 
 
-def main(out_path=None):
+def main(out_path=None, only=None):
     _need_gpu()
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     res["copy_gbs"] = hbm_copy_gbs()
     res["saxpy_gbs"] = saxpy_gbs()
     print(f"HBM: d2d copy {res['copy_gbs']:.0f} GB/s, saxpy {res['saxpy_gbs']:.0f} GB/s", flush=True)
     rows = []
-    variants = {"nvfp4": [("", 0, 4), ("", 0, 2), ("arith", 0, 2), ("", 2, 4)],
-                "fp8": [("", 0, 4), ("", 0, 2)], "bf16": [("", 0, 4), ("", 0, 2)]}
-    for fmt in ("nvfp4", "fp8", "bf16"):
+    sweep = [(u, t) for u in (2, 4) for t in (256, 128, 64)]     # (unroll, threads)
+    fmts = [f for f in ("nvfp4", "fp8", "bf16") if f in only] if only else ("nvfp4", "fp8", "bf16")
+    for fmt in fmts:
         for name, (h, i, k) in SHAPES.items():
             t0 = time.time()
             s = ExpertSetup(fmt, h, i, k)
             b = s.bytes_per_layer
-            for variant, mb, un in variants[fmt]:
-                ge_us = s.layer_us(False, variant=variant, min_blocks=mb, unroll=un)
-                gg_us = s.layer_us(True, variant=variant, min_blocks=mb, unroll=un)
-                gu_us = s.layer_us(True, "gate_up", variant, mb, un)
-                dn_us = s.layer_us(True, "down", variant, mb, un)
-                tag = (fmt + ("-" + variant if variant else "") + (f"-lb{mb}" if mb else "")
-                       + f"-u{un}")
-                row = dict(fmt=tag, shape=name, h=h, i=i, k=k, mb_per_layer=b / 1e6,
-                           eager_us=ge_us, graph_us=gg_us, eager_gbs=b / ge_us / 1e3,
-                           graph_gbs=b / gg_us / 1e3, gate_up_us=gu_us, down_us=dn_us,
-                           gate_up_gbs=s.bytes_gate_up / gu_us / 1e3,
-                           down_gbs=s.bytes_down / dn_us / 1e3)
-                row["graph_over_copy"] = row["graph_gbs"] / res["copy_gbs"]
-                row["graph_over_saxpy"] = row["graph_gbs"] / res["saxpy_gbs"]
-                rows.append(row)
-                print(f"experts {tag:14s} {name:15s} {b / 1e6:5.1f} MB/layer  eager {ge_us:6.1f} us "
-                      f"{row['eager_gbs']:5.0f} GB/s | graph {gg_us:6.1f} us {row['graph_gbs']:5.0f} "
-                      f"GB/s = {row['graph_over_copy']:.2f} of copy, {row['graph_over_saxpy']:.2f} of "
-                      f"saxpy | gate_up {gu_us:5.1f} us {row['gate_up_gbs']:5.0f} GB/s, down "
-                      f"{dn_us:5.1f} us {row['down_gbs']:5.0f} GB/s ({time.time() - t0:.0f}s)",
-                      flush=True)
+            gu = {c: s.layer_us(True, "gate_up", "", 0, *c) for c in sweep}
+            dn = {c: s.layer_us(True, "down", "", 0, *c) for c in sweep}
+            cg, cd = min(gu, key=gu.get), min(dn, key=dn.get)
+
+            def run_best(st=None, s=s, cg=cg, cd=cd):
+                s.run(st, "gate_up", "", 0, *cg)
+                s.run(st, "down", "", 0, *cd)
+            from engine.graphs import capture_fn
+            g = capture_fn(run_best, s.stream)
+            gg_us = _time_ms(s.stream, lambda: g.launch(s.stream), REPS) * 1e3 / s.layers
+            g.destroy()
+            ge_us = _time_ms(s.stream, run_best, REPS) * 1e3 / s.layers
+            row = dict(fmt=fmt, shape=name, h=h, i=i, k=k, mb_per_layer=b / 1e6,
+                       gate_up_cfg=cg, down_cfg=cd, eager_us=ge_us, graph_us=gg_us,
+                       eager_gbs=b / ge_us / 1e3, graph_gbs=b / gg_us / 1e3,
+                       gate_up_us=gu[cg], down_us=dn[cd],
+                       gate_up_gbs=s.bytes_gate_up / gu[cg] / 1e3,
+                       down_gbs=s.bytes_down / dn[cd] / 1e3,
+                       sweep_gate_up_us={f"u{u}-t{t}": v for (u, t), v in gu.items()},
+                       sweep_down_us={f"u{u}-t{t}": v for (u, t), v in dn.items()})
+            row["graph_over_copy"] = row["graph_gbs"] / res["copy_gbs"]
+            row["graph_over_saxpy"] = row["graph_gbs"] / res["saxpy_gbs"]
+            rows.append(row)
+            print(f"experts {fmt:5s} {name:15s} {b / 1e6:5.1f} MB/layer  eager {ge_us:6.1f} us "
+                  f"{row['eager_gbs']:5.0f} GB/s | graph {gg_us:6.1f} us {row['graph_gbs']:5.0f} "
+                  f"GB/s = {row['graph_over_copy']:.2f} of copy, {row['graph_over_saxpy']:.2f} of "
+                  f"saxpy | gate_up u{cg[0]} t{cg[1]} {gu[cg]:5.1f} us {row['gate_up_gbs']:5.0f} GB/s,"
+                  f" down u{cd[0]} t{cd[1]} {dn[cd]:5.1f} us {row['down_gbs']:5.0f} GB/s "
+                  f"({time.time() - t0:.0f}s)", flush=True)
+            print("   sweep gate_up " + " ".join(f"{k}:{v:.1f}" for k, v in row["sweep_gate_up_us"].items())
+                  + " | down " + " ".join(f"{k}:{v:.1f}" for k, v in row["sweep_down_us"].items()),
+                  flush=True)
             del s
     res["experts"] = rows
     d = DenseLayerSetup()
@@ -357,4 +370,5 @@ def main(out_path=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    main(sys.argv[1] if len(sys.argv) > 1 else None,
+         sys.argv[2].split(",") if len(sys.argv) > 2 else None)
