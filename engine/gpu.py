@@ -191,6 +191,7 @@ class GpuDecoder:
         if self.logits_d is None or self.logits_d.shape[0] < n:
             self.logits_d = cuda.device_array((max(n, 1), c.vocab_size), np.float32)
             self.logits_h = cuda.pinned_array((max(n, 1), c.vocab_size), np.float32)
+            self._graphs = None   # captured graphs wrote into the old buffer
         lw = self.w("embed") if c.tie_embeddings else self.w("lm_head")
         self._linear(lw, hn, self.logits_d[:n])
         self.logits_d[:n].copy_to_host(self.logits_h[:n], stream=cs)
@@ -424,14 +425,14 @@ class GpuDecoder:
             slots = self.res.resolve(l, experts[g0:g1], protect=prev_keys, after=prev2_evt)
             gslot[g0:g1] = slots
             gslot_d[g0:g1].copy_to_device(gslot[g0:g1], stream=cs)
-            _grouped_range(self.fmt, self.views, self.lay, self.lay_h, gslot_d[g0:g1],
-                           dev.gstart[g0:g1 + 1], dev.order, dev.wts, b.h[:t], b.act[:a], b.y[:a], cs)
+            gx.grouped_gate_up_down(self.fmt, self.views, self.lay, self.lay_h, gslot_d[g0:g1],
+                                    dev.gstart[g0:g1 + 1], dev.order, dev.wts, b.h[:t], b.act[:a],
+                                    b.y[:a], cs)
             evt = cuda.event()
             evt.record(cs)
             prev2_evt, prev_evt = prev_evt, evt
             prev_keys = {(l, int(e)) for e in experts[g0:g1]}
-        n = t * c.hidden
-        gx.combine_kernel[(n + 255) // 256, 256, cs](b.y[:a], dev.pos, b.moe[:t], np.int32(0))
+        gx.combine(b.y[:a], dev.pos, b.moe[:t], cs)
         cs.synchronize()   # host arrays above are reused by the next layer
 
 
@@ -441,18 +442,6 @@ class _GroupArrays:
         self.order = cuda.to_device(order)
         self.wts = cuda.to_device(wts)
         self.pos = cuda.to_device(pos)
-
-
-def _grouped_range(fmt, views, lay, lay_h, gslot, gstart, order, wts, x, act, y, stream):
-    """The grouped expert kernels over a range of groups (gstart holds absolute assignment
-    offsets, so a slice of the groups runs alone): act, y rows of those assignments only."""
-    _, _, ggu, gdn = gx._KERNELS[fmt]
-    b64, b8, bf = views
-    g = gslot.shape[0]
-    ggu[gx.gate_up_grid(lay_h, g), gx.THREADS, stream, gx.gate_up_shared_bytes(fmt, lay_h, gx.TT)](
-        b64, b8, bf, lay, gslot, gstart, order, x, act)
-    dsh = int(gx.TT * (int(lay_h[9]) // gx.CHUNK[fmt]) * (gx.CHUNK[fmt] + 1) * 4)
-    gdn[(gx.down_grid(lay_h), g), gx.THREADS, stream, dsh](b64, b8, bf, lay, gslot, gstart, wts, act, y)
 
 
 def _partials(p, t, hq):
