@@ -34,6 +34,8 @@ def parse_args(argv=None):
                    help="GPU memory budget (default: 90%% of what is free)")
     p.add_argument("--hot-from", metavar="FILE", help="fill the VRAM hot set from a routing profile")
     p.add_argument("--prefill-batch", type=int, default=32, help="experts fetched per prefill batch")
+    p.add_argument("--speculate", action="store_true",
+                   help="run the next layer's router on this layer's input and start its copies early")
     p.add_argument("--cache-policy", choices=("lru", "lfu", "decay"), default="lru")
     p.add_argument("--reader-threads", type=int, default=4)
     p.add_argument("--trace-out", metavar="FILE", help="record the routed experts per token and layer")
@@ -61,7 +63,8 @@ def main(argv=None) -> int:
         from engine.runtime import TraceRecorder
         m = engine.load(model_dir, device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
                         cache_policy=a.cache_policy, reader_threads=a.reader_threads,
-                        vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch)
+                        vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch,
+                        speculate=a.speculate)
         from engine.profile import Observers, RoutingProfile
         rec = TraceRecorder(m.config.moe_layers) if a.trace_out else None
         prof = RoutingProfile(m.config.n_layers, m.config.n_experts) if a.profile_out else None

@@ -71,7 +71,7 @@ class GpuRunState:
 
 class GpuDecoder:
     def __init__(self, c, weight, experts_host, plan, layout, on_route=None, prefill_batch: int = 32,
-                 max_context: int = 4096, use_graphs: bool = True):
+                 max_context: int = 4096, use_graphs: bool = True, speculate: bool = False):
         """weight(key, layer) -> host array; experts_host: get/contains over expert blocks."""
         self.max_context = max_context
         self.use_graphs = use_graphs
@@ -97,7 +97,9 @@ class GpuDecoder:
         self.slots_d = cuda.to_device(np.zeros((c.n_layers, c.top_k), np.int32))   # slot 0 is valid
         self.ids_all_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)       # decode routing
         self.spec_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)          # predicted routing
-        self.speculate = True
+        # off by default: on the H200 run of 2026-11-30 decode with it was slower (13.8 vs 51.6
+        # tok/s at --vram-gb 8 --ram-gb 32), cause not yet isolated; --speculate turns it on
+        self.speculate = speculate
         self.route_override = None   # benchmarks: replace routing (host side) to force streaming
         moe = list(c.moe_layers)
         self.next_moe = {l: (moe[i + 1] if i + 1 < len(moe) else None) for i, l in enumerate(moe)}

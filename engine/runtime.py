@@ -196,7 +196,7 @@ class Engine:
     def __init__(self, model: str | os.PathLike, device: str = "auto", max_context: int | None = None,
                  on_route: Callable | None = None, ram_gb: float | None = None,
                  cache_policy: str = "lru", reader_threads: int = 4, vram_gb: float | None = None,
-                 hot_from: str | None = None, prefill_batch: int = 32):
+                 hot_from: str | None = None, prefill_batch: int = 32, speculate: bool = False):
         from kernels_numba.cpu import CpuOps
         self.ops = ops = CpuOps()
         ck = self.checkpoint = Checkpoint(model)
@@ -221,7 +221,8 @@ class Engine:
             self.experts = CheckpointExperts(ck, c.family, ops)
         self.max_context = int(max_context or min(c.max_position, 4096))
         if self.device == "cuda":
-            self.model = self._gpu_decoder(fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route)
+            self.model = self._gpu_decoder(fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route,
+                                           speculate)
         else:
             self.model = fam.model_cls(c, ops, self._weight, self.experts, on_route)
         gen = ck.json_file("generation_config.json")
@@ -233,7 +234,7 @@ class Engine:
         self.generation_defaults = gen
         self.state = None
 
-    def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route):
+    def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route, speculate):
         """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py)."""
         from numba import cuda
 
@@ -268,7 +269,7 @@ class Engine:
                              block_bytes=layout.block_bytes, top_k=c.top_k, total_experts=total_experts)
         print(p.describe(), file=sys.stderr)
         dec = GpuDecoder(c, self._weight, host, p, layout, on_route, prefill_batch,
-                         max_context=self.max_context)
+                         max_context=self.max_context, speculate=speculate)
         dec.upload_all([(k, l) for k, l in _dense_keys(c)])
         if hot_from:
             from engine.profile import RoutingProfile

@@ -66,7 +66,7 @@ class DemoConfig:
     min_lr_frac: float = 0.1
     warmup: int = 30
     weight_decay: float = 0.1
-    steps: int = 420
+    steps: int = 240
     seed: int = 0
 
     def hf_config(self):
@@ -245,6 +245,10 @@ def save_hf(model, tk, dst: Path) -> None:
 def export(out: Path) -> None:
     from engine.pack import pack
     pack(out / "hf", PACK_DIR, experts="nvfp4", force=True)
+    # the manifest names the source folder; ship the tool's name, not this machine's path
+    man = json.loads((PACK_DIR / "manifest.json").read_text())
+    man["source"] = "tools/train_demo.py train (bf16 Hugging Face folder)"
+    (PACK_DIR / "manifest.json").write_text(json.dumps(man))
     if TEST_HF_DIR.exists():
         shutil.rmtree(TEST_HF_DIR)
     TEST_HF_DIR.parent.mkdir(parents=True, exist_ok=True)

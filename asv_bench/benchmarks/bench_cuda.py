@@ -309,8 +309,9 @@ def main(out_path=None, only=None):
     res["copy_gbs"] = hbm_copy_gbs()
     res["saxpy_gbs"] = saxpy_gbs()
     print(f"HBM: d2d copy {res['copy_gbs']:.0f} GB/s, saxpy {res['saxpy_gbs']:.0f} GB/s", flush=True)
+    from kernels_numba.gpu_experts import THREADS as ge_threads
     rows = []
-    sweep = [(u, t) for u in (2, 4) for t in (256, 128, 64)]     # (unroll, threads)
+    sweep = [(u, t) for u in (2, 4) for t in (256, 128, 64) if t <= ge_threads]     # (unroll, threads)
     fmts = [f for f in ("nvfp4", "fp8", "bf16") if f in only] if only else ("nvfp4", "fp8", "bf16")
     for fmt in fmts:
         for name, (h, i, k) in SHAPES.items():
