@@ -254,9 +254,10 @@ class GpuDecoder:
             return False
         if self.slot_of_d is None:
             from tqdm import tqdm
-            keys = [(l, e) for l in c.moe_layers for e in range(c.n_experts) if (l, e) not in self.res.slot_of]
-            for key in tqdm(keys, desc="experts -> VRAM", unit="block", disable=len(keys) < 256):
-                self.res.slots_for_hot(key)
+            keys = [(l, e) for l in c.moe_layers for e in range(c.n_experts)]
+            with tqdm(total=len(keys), desc="experts -> VRAM", unit="block",
+                      disable=len(keys) < 256) as bar:
+                self.res.slots_for_hot(keys, progress=bar)
             table = np.zeros((c.n_layers, c.n_experts), np.int32)
             for (l, e), slot in self.res.slot_of.items():
                 table[l, e] = slot

@@ -67,106 +67,116 @@ class VramResidency:
         return self.bank.shape[0]
 
     def pin_hot(self, keys) -> int:
-        """Load keys into slots and keep them resident; returns how many were placed."""
-        placed = 0
-        for key in keys:
-            if not self.free:
-                break
-            self.slots_for_hot(key)
-            placed += 1
+        """Load keys into free slots and keep them resident; returns how many were placed."""
+        keys = [k for k in keys if k not in self.slot_of][:len(self.free)]
+        self._place(keys, hot=True)
         self.xs.synchronize()
-        return placed
+        return len(keys)
 
-    def _copy_in(self, key, slot: int) -> None:
+    def slots_for_hot(self, keys, progress=None) -> None:
+        """Place keys permanently (all-resident mode); raises when the slots run out."""
+        keys = [k for k in keys if k not in self.slot_of]
+        if len(keys) > len(self.free):
+            raise ResidencyError(f"{len(keys)} experts to place, {len(self.free)} free VRAM slots")
+        self._place(keys, hot=True, progress=progress)
+        self.xs.synchronize()
+
+    def _place(self, keys, hot: bool, keep=(), batch: int = 32, progress=None) -> list[int]:
+        """Copy keys' blocks into slots (free first, then LRU victims not in keep), reading a
+        layer's host misses together, batch blocks at a time."""
+        slots = []
+        i = 0
+        while i < len(keys):
+            layer = keys[i][0]
+            j = i
+            while j < len(keys) and j - i < batch and keys[j][0] == layer:
+                j += 1
+            group = keys[i:j]
+            for key, block in zip(group, self._host_blocks(layer, group)):
+                slot = self.free.pop() if self.free else self._evict(keep)
+                self.bank[slot].copy_to_device(block[:self.block_bytes], stream=self.xs)
+                self.stats.h2d_bytes += self.block_bytes
+                self.slot_of[key] = slot
+                if hot:
+                    self.hot.add(key)
+                else:
+                    self.lru[key] = slot
+                slots.append(slot)
+            if progress is not None:
+                progress.update(len(group))
+            i = j
+        return slots
+
+    def _host_blocks(self, layer: int, keys) -> list:
+        """The host tier's blocks for keys of one layer: RAM hits, and the misses read together."""
         t = time.perf_counter()
-        if self.host.contains(*key):
-            self.stats.ram_hits += 1
-        else:
-            self.stats.disk_reads += 1
+        missing = [k for k in keys if not self.host.contains(*k)]
+        self.stats.ram_hits += len(keys) - len(missing)
+        self.stats.disk_reads += len(missing)
+        if missing:
             # a read may evict a host buffer that an earlier copy is still reading from
             self.xs.synchronize()
-        block = self.host.get(*key)
+        get_many = getattr(self.host, "get_many", None)
+        if get_many is not None:
+            blocks = get_many(layer, [e for _, e in keys])
+        else:
+            blocks = [self.host.get(*k) for k in keys]
         self.stats.host_wait_s += time.perf_counter() - t
-        self.bank[slot].copy_to_device(block[:self.block_bytes], stream=self.xs)
-        self.stats.h2d_bytes += self.block_bytes
-
-    def slots_for_hot(self, key) -> int:
-        """Place one more key permanently."""
-        if key in self.slot_of:
-            return self.slot_of[key]
-        if not self.free:
-            raise ResidencyError(f"no free VRAM slot for expert {key}")
-        slot = self.free.pop()
-        self._copy_in(key, slot)
-        self.slot_of[key] = slot
-        self.hot.add(key)
-        return slot
+        return blocks
 
     def speculate(self, layer: int, predicted, protect=()) -> None:
         """Start copies for a layer's predicted experts, taking only blocks already in host RAM
         (the rest become host prefetches), so a prediction never waits on the disk."""
         keys = [(layer, int(e)) for e in predicted]
         keep = set(protect) | set(keys)
-        copied = set()
+        todo = []
         for key in keys:
             if key in self.slot_of:
                 continue
-            if not self.host.contains(*key):
+            if self.host.contains(*key):
+                todo.append(key)
+            else:
                 prefetch = getattr(self.host, "prefetch", None)
                 if prefetch is not None:
                     prefetch(key[0], [key[1]])
-                continue
-            slot = self._take_slot(keep)
-            self._copy_in(key, slot)
-            self.slot_of[key] = slot
-            self.lru[key] = slot
-            copied.add(key)
+        self._place(todo, hot=False, keep=keep)
         evt = None
-        if copied:
+        if todo:
             evt = cuda.event()
             evt.record(self.xs)
-        self.stats.spec_copies += len(copied)
-        self._spec[layer] = (evt, set(keys), copied)
+        self.stats.spec_copies += len(todo)
+        self._spec[layer] = (evt, set(keys), set(todo))
 
     def resolve(self, layer: int, experts, protect=(), after=None) -> list[int]:
         """Slots of (layer, e) for e in experts, copying in what is not resident."""
-        keep = set(protect) | {(layer, int(e)) for e in experts}
+        keys = [(layer, int(e)) for e in experts]
+        keep = set(protect) | set(keys)
         spec = self._spec.pop(layer, None)
         if spec is not None:
             evt, predicted, copied = spec
-            routed = {(layer, int(e)) for e in experts}
+            routed = set(keys)
             self.stats.spec_routed += len(routed)
             self.stats.spec_predicted += len(routed & predicted)
             self.stats.spec_wasted_bytes += len(copied - routed) * self.block_bytes
             if evt is not None:
                 evt.wait(self.cs)
-        copied = False
-        out = []
-        for e in experts:
-            key = (layer, int(e))
-            slot = self.slot_of.get(key)
-            if slot is not None:
+        missing = []
+        for key in keys:
+            if key in self.slot_of:
                 self.stats.vram_hits += 1
                 if key in self.lru:
                     self.lru.move_to_end(key)
-                out.append(slot)
-                continue
-            if not copied and after is not None:
+            elif key not in missing:
+                missing.append(key)
+        if missing:
+            if after is not None:
                 after.wait(self.xs)
-            copied = True
-            slot = self._take_slot(keep)
-            self._copy_in(key, slot)
-            self.slot_of[key] = slot
-            self.lru[key] = slot
-            out.append(slot)
-        if copied:
+            self._place(missing, hot=False, keep=keep)
             self._evt.record(self.xs)
             self._evt.wait(self.cs)
-        return out
+        return [self.slot_of[k] for k in keys]
 
-    def _take_slot(self, keep) -> int:
-        if self.free:
-            return self.free.pop()
+    def _evict(self, keep) -> int:
         for key in self.lru:
             if key not in keep:
                 slot = self.lru.pop(key)

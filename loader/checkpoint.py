@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +124,8 @@ class Checkpoint:
         self._maps: dict[Path, np.memmap] = {}
         for f in self._weight_files():
             self.tensors.update(read_safetensors_header(f))
+        self.fused: dict[str, str] = {}   # per-expert view name -> the fused tensor it lies in
+        self._split_fused_experts()
 
     def _weight_files(self, base: str = "model") -> list[Path]:
         index = self.dir / f"{base}.safetensors.index.json"
@@ -140,6 +143,36 @@ class Checkpoint:
         if shards:
             return shards
         raise CheckpointError(f"{self.dir}: no {base}.safetensors and no {base}.safetensors.index.json")
+
+    _FUSED = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
+
+    def _split_fused_experts(self) -> None:
+        """Checkpoints that store a layer's experts fused (gate_up_proj [E, 2I, H], gate rows
+        first; down_proj [E, H, I]) get per-expert views under the per-expert names: contiguous
+        byte ranges of the fused tensor, so nothing is copied and packing reads them as usual."""
+        for name, t in list(self.tensors.items()):
+            m = self._FUSED.match(name)
+            if m is None or len(t.shape) != 3:
+                continue
+            e_n, rows, cols = t.shape
+            item = t.nbytes // (e_n * rows * cols)
+            per_expert = rows * cols * item
+            if m["kind"] == "gate_up_proj":
+                if rows % 2:
+                    raise CheckpointError(f"{t.file}: fused tensor {name} has {rows} rows per expert; "
+                                          "expected gate and up halves (an even count)")
+                parts = (("gate_proj", 0, rows // 2), ("up_proj", rows // 2, rows // 2))
+            else:
+                parts = (("down_proj", 0, rows),)
+            for e in range(e_n):
+                for proj, r0, nr in parts:
+                    view = f"{m['p']}.{e}.{proj}.weight"
+                    if view in self.tensors:
+                        continue
+                    self.tensors[view] = TensorInfo(view, t.file, t.dtype, (nr, cols),
+                                                    t.start + e * per_expert + r0 * cols * item,
+                                                    nr * cols * item)
+                    self.fused[view] = name
 
     # ---- tensors ------------------------------------------------------------------------------
 

@@ -123,3 +123,33 @@ def test_header_offsets_beyond_file(tmp_path):
     from loader.checkpoint import read_safetensors_header
     with pytest.raises(CheckpointError, match=r"tensor w data ends at byte .* truncated"):
         read_safetensors_header(p)
+
+
+def test_fused_expert_checkpoint_loads(tmp_path):
+    """Experts stored fused per layer ([E, 2I, H] gate_up, [E, H, I] down), as transformers holds
+    them in memory and some releases ship them: same logits as the per-expert checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    import engine
+    from conftest import hf_reference, rel_err
+    model = build_hf_model(tmp_path / "per", "qwen3_moe")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in sd)
+    save_file(sd, str(fused / "model.safetensors"))
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (fused / f).write_bytes((tmp_path / "per" / f).read_bytes())
+    ck = Checkpoint(fused)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in ck.fused
+    ids = np.random.default_rng().integers(0, 300, 12)
+    ref = hf_reference(tmp_path / "per")
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(engine.load(fused, device="cpu").logits(ids), want) < 1e-4
+    from engine.pack import pack
+    pack(fused, tmp_path / "packed_fused", "bf16", progress=False)
+    pack(tmp_path / "per", tmp_path / "packed_per", "bf16", progress=False)
+    a = (tmp_path / "packed_fused" / "experts.arena").read_bytes()
+    assert a == (tmp_path / "packed_per" / "experts.arena").read_bytes()

@@ -1,0 +1,78 @@
+"""VRAM tier logic under NUMBA_ENABLE_CUDASIM=1 (run by tests/test_residency.py)."""
+import numpy as np
+from numba import cuda
+
+from engine.residency import ResidencyError, VramResidency
+
+B = 64
+rng = np.random.default_rng()
+BLOCKS = {(l, e): rng.integers(0, 256, B, dtype=np.uint8) for l in range(3) for e in range(8)}
+
+
+class Host:
+    def __init__(self, in_ram):
+        self.in_ram = set(in_ram)
+        self.calls = []
+
+    def contains(self, l, e):
+        return (l, e) in self.in_ram
+
+    def get_many(self, layer, experts):
+        self.calls.append((layer, tuple(experts)))
+        for e in experts:
+            self.in_ram.add((layer, e))
+        return [BLOCKS[(layer, e)] for e in experts]
+
+
+def bank_matches(r):
+    bank = r.bank.copy_to_host()
+    for key, slot in r.slot_of.items():
+        assert np.array_equal(bank[slot], BLOCKS[key]), key
+
+
+def main():
+    xs, cs = cuda.stream(), cuda.stream()
+    host = Host(in_ram={(0, 1)})
+    r = VramResidency(4, B, host, xs, cs)
+    s = r.resolve(0, [1, 2])
+    assert len(set(s)) == 2 and r.stats.ram_hits == 1 and r.stats.disk_reads == 1
+    assert host.calls == [(0, (1, 2))]          # one concurrent host read for the layer
+    s2 = r.resolve(0, [1, 3])
+    assert s2[0] == s[0] and r.stats.vram_hits == 1
+    assert list(r.lru) == [(0, 2), (0, 1), (0, 3)]
+    r.resolve(1, [5, 6])                        # one free slot, then evict the oldest: (0, 2)
+    assert (0, 2) not in r.slot_of and {(1, 5), (1, 6)} <= set(r.slot_of)
+    r.resolve(1, [7], protect={(0, 1)})         # (0, 1) is protected: (0, 3) goes
+    assert (0, 1) in r.slot_of and (0, 3) not in r.slot_of
+    bank_matches(r)
+    try:
+        r.resolve(2, [0, 1, 2, 3, 4])           # more experts than slots
+    except ResidencyError as e:
+        assert "VRAM expert slots" in str(e)
+    else:
+        raise AssertionError("no error for a batch larger than the bank")
+
+    # hot experts are never evicted
+    host = Host(in_ram=set())
+    r = VramResidency(3, B, host, xs, cs)
+    assert r.pin_hot([(0, 0), (1, 0)]) == 2
+    for e in range(1, 8):
+        r.resolve(2, [e])
+    assert {(0, 0), (1, 0)} <= set(r.slot_of) and len(r.lru) == 1
+    bank_matches(r)
+
+    # speculation: predicted experts already in RAM are copied, and counted at resolve
+    host = Host(in_ram={(1, 2), (1, 3)})
+    r = VramResidency(6, B, host, xs, cs)
+    r.resolve(0, [0, 1])
+    r.speculate(1, [2, 3, 4], protect={(0, 0), (0, 1)})
+    assert {(1, 2), (1, 3)} <= set(r.slot_of) and (1, 4) not in r.slot_of
+    r.resolve(1, [2, 5])
+    st = r.stats.as_dict()
+    assert st["spec_routed"] == 2 and st["spec_predicted"] == 1 and st["spec_copies"] == 2
+    assert st["spec_wasted_bytes"] == B and abs(st["spec_accuracy"] - 0.5) < 1e-9
+    bank_matches(r)
+    print("OK")
+
+
+main()
