@@ -9,13 +9,13 @@ import argparse
 import json
 import sys
 
+from engine.cli import add_load_args, load_from_args
 from loader.checkpoint import CheckpointError
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="model folder or repo id in the local HF cache "
-                                   "(default: the embedded demo model)")
+    add_load_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -25,19 +25,6 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens")
-    p.add_argument("--ram-gb", type=float, default=None,
-                   help="host-RAM expert cache budget for packed models (default: fits the arena, "
-                        "at most half the available RAM)")
-    p.add_argument("--vram-gb", type=float, default=None,
-                   help="GPU memory budget (default: 90%% of what is free)")
-    p.add_argument("--hot-from", metavar="FILE", help="fill the VRAM hot set from a routing profile")
-    p.add_argument("--prefill-batch", type=int, default=32, help="experts fetched per prefill batch")
-    p.add_argument("--speculate", action="store_true",
-                   help="run the next layer's router on this layer's input and start its copies early")
-    p.add_argument("--cache-policy", choices=("lru", "lfu", "decay"), default="lru")
-    p.add_argument("--reader-threads", type=int, default=4)
     p.add_argument("--trace-out", metavar="FILE", help="record the routed experts per token and layer")
     p.add_argument("--profile-out", metavar="FILE", help="record routed counts per (layer, expert)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -51,20 +38,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    import engine
     from engine.models.rope import ConfigError
     from engine.tokenizer import TemplateError
     try:
-        if a.model is None:
-            from engine.demo import demo_model_dir
-            model_dir = demo_model_dir()
-        else:
-            model_dir = a.model
         from engine.runtime import TraceRecorder
-        m = engine.load(model_dir, device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
-                        cache_policy=a.cache_policy, reader_threads=a.reader_threads,
-                        vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch,
-                        speculate=a.speculate)
+        m = load_from_args(a)
         from engine.profile import Observers, RoutingProfile
         rec = TraceRecorder(m.config.moe_layers) if a.trace_out else None
         prof = RoutingProfile(m.config.n_layers, m.config.n_experts) if a.profile_out else None

@@ -324,19 +324,24 @@ class Engine:
                      prefill_tok_s=len(prompt_ids) / max(t1 - t0, 1e-9), decode_tokens=0, decode_s=0.0)
         stats["finish_reason"] = "length"
         c0 = self._counters()
-        for i in range(n_new):
-            tid = self.ops.sample(np.asarray(logits[-1]), params.temperature, params.top_k,
-                                  params.top_p, rng.random())
-            yield tid
-            if tid in stop:
-                stats["finish_reason"] = "stop"
-                break
-            if i == n_new - 1:
-                break
-            ts = time.perf_counter()
-            logits = self.model.forward(np.asarray([tid], dtype=np.int64), st)
-            stats["decode_s"] += time.perf_counter() - ts
-            stats["decode_tokens"] += 1
+        try:
+            for i in range(n_new):
+                tid = self.ops.sample(np.asarray(logits[-1]), params.temperature, params.top_k,
+                                      params.top_p, rng.random())
+                yield tid
+                if tid in stop:
+                    stats["finish_reason"] = "stop"
+                    break
+                if i == n_new - 1:
+                    break
+                ts = time.perf_counter()
+                logits = self.model.forward(np.asarray([tid], dtype=np.int64), st)
+                stats["decode_s"] += time.perf_counter() - ts
+                stats["decode_tokens"] += 1
+        finally:   # also when the caller stops early (a stop string, a client gone)
+            self._finish_stats(stats, c0)
+
+    def _finish_stats(self, stats: dict, c0: dict) -> None:
         stats["decode_tok_s"] = stats["decode_tokens"] / max(stats["decode_s"], 1e-9)
         stats["experts"] = self.experts.stats()
         if self.device == "cuda":

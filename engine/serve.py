@@ -704,26 +704,13 @@ def create_app(engine, model_name: str, api_key: str | None = None, queue_size: 
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
+    from engine.cli import add_load_args
     p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="model folder or repo id in the local HF cache "
-                                   "(default: the embedded demo model)")
+    add_load_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="KV cache length in tokens: prompt + completion (default min(model's, 4096))")
-    # loading flags, as engine.generate has them
-    p.add_argument("--ram-gb", type=float, default=None,
-                   help="host-RAM expert cache budget for packed models (default: fits the arena, "
-                        "at most half the available RAM)")
-    p.add_argument("--vram-gb", type=float, default=None,
-                   help="GPU memory budget (default: 90%% of what is free)")
-    p.add_argument("--hot-from", metavar="FILE", help="fill the VRAM hot set from a routing profile")
-    p.add_argument("--prefill-batch", type=int, default=32, help="experts fetched per prefill batch")
-    p.add_argument("--cache-policy", choices=("lru", "lfu", "decay"), default="lru")
-    p.add_argument("--reader-threads", type=int, default=4)
     p.add_argument("--queue-size", type=int, default=8,
                    help="requests that may wait behind the one generating; more get 503 (default 8)")
     p.add_argument("--served-model-name", default=None,
@@ -742,19 +729,13 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     import uvicorn
 
-    import engine
     from engine.models.rope import ConfigError
     from loader.checkpoint import CheckpointError
     try:
-        if a.model is None:
-            from engine.demo import DEMO_NAME, demo_model_dir
-            model_dir, name = demo_model_dir(), DEMO_NAME
-        else:
-            model_dir = a.model
-            name = Path(a.model).name if Path(a.model).is_dir() else a.model
-        m = engine.load(model_dir, device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
-                        cache_policy=a.cache_policy, reader_threads=a.reader_threads,
-                        vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch)
+        from engine.cli import load_from_args, model_dir
+        d = model_dir(a)
+        name = Path(d).name if a.model is None or Path(a.model).is_dir() else a.model
+        m = load_from_args(a)
         m.generate([0], max_new_tokens=2)   # compile the kernels now, not in the first request
         m.state = None
     except (CheckpointError, ConfigError, TemplateError, ValueError, RuntimeError, OSError) as e:

@@ -38,7 +38,7 @@ def _bf16(bits):
     return np.uint32(bits) << np.uint32(16)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def bf16_to_f32_array(bits):
     out = np.empty(bits.shape, dtype=np.float32)
     ob = out.reshape(-1).view(np.uint32)
@@ -50,7 +50,7 @@ def bf16_to_f32_array(bits):
 
 # ---- dense kernels ---------------------------------------------------------------------------
 
-@njit(parallel=True, cache=True, fastmath=False)
+@njit(parallel=True, cache=True, nogil=True)
 def matvec_f32(w, x, out):
     """w [N, K] f32, x [K] f32 -> out [N]."""
     n, k = w.shape
@@ -61,7 +61,7 @@ def matvec_f32(w, x, out):
         out[i] = acc
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matvec_bf16(w, x, out):
     """w [N, K] uint16 (bf16 bits), x [K] f32 -> out [N]."""
     n, k = w.shape
@@ -73,7 +73,7 @@ def matvec_bf16(w, x, out):
         out[i] = acc
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def gemm_bf16(x, w, out):
     """x [T, K] f32, w [N, K] uint16 (bf16 bits) -> out [T, N]; one pass over each weight row."""
     t, k = x.shape
@@ -89,7 +89,7 @@ def gemm_bf16(x, w, out):
             out[tt, i] = acc
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def rmsnorm_rows(x, w, eps, out):
     """x [R, N] f32, w [N] f32 -> out [R, N]: each row normalized (rows = tokens or heads)."""
     r, n = x.shape
@@ -102,7 +102,7 @@ def rmsnorm_rows(x, w, eps, out):
             out[i, j] = w[j] * (x[i, j] * inv)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def rope_inplace(x, positions, inv_freq, scaling):
     """x [T, nH, D] f32 rotated in place (rotate-half) on its first 2*len(inv_freq) dims."""
     t, nh, d = x.shape
@@ -120,7 +120,7 @@ def rope_inplace(x, positions, inv_freq, scaling):
                 x[ti, h, f + r2] = b * c + a * s
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def attention_gqa(q, kc, vc, q_pos, scale, window, out):
     """Causal GQA over a KV cache.
 
@@ -161,7 +161,7 @@ def attention_gqa(q, kc, vc, q_pos, scale, window, out):
                 out[ti, h, e] += pj * vc[lo + j, kv, e]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def router_topk(logits, k, norm, ids, weights):
     """logits [T, E] f32 -> ids int32 [T, K], weights f32 [T, K].
 
@@ -248,7 +248,7 @@ def _row_dot(fmt, block, q_off, s_off, gscale, r, k, kp, x, e2m1, e4m3):
     return _rows_bf16(block, q_off, r, k, x)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def expert_block_swiglu(fmt, block, lay, x, out, e2m1, e4m3):
     """One expert from its block over tokens: x [T, H] f32 -> out [T, H] f32.
 
@@ -270,7 +270,7 @@ def expert_block_swiglu(fmt, block, lay, x, out, e2m1, e4m3):
 
 # ---- sampling --------------------------------------------------------------------------------
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def sample_logits(logits, temperature, top_k, top_p, u):
     """logits [V] f32 -> token id. temperature <= 0 is greedy; u in [0, 1) drives the draw.
 

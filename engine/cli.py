@@ -1,0 +1,40 @@
+"""Command-line pieces shared by engine.generate and engine.serve: the model and budget flags,
+and loading from them."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model folder or repo id in the local HF cache "
+                                   "(default: the embedded demo model)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="KV cache length in tokens: prompt + completion (default min(model's, 4096))")
+    p.add_argument("--ram-gb", type=float, default=None,
+                   help="host-RAM expert cache budget for packed models (default: fits the arena, "
+                        "at most half the available RAM)")
+    p.add_argument("--vram-gb", type=float, default=None,
+                   help="GPU memory budget (default: 90%% of what is free)")
+    p.add_argument("--hot-from", metavar="FILE", help="fill the VRAM hot set from a routing profile")
+    p.add_argument("--prefill-batch", type=int, default=32, help="experts fetched per prefill batch")
+    p.add_argument("--speculate", action="store_true",
+                   help="run the next layer's router on this layer's input and start its copies early")
+    p.add_argument("--cache-policy", choices=("lru", "lfu", "decay"), default="lru")
+    p.add_argument("--reader-threads", type=int, default=4)
+
+
+def model_dir(a):
+    """--model, or the embedded demo model."""
+    if a.model is not None:
+        return a.model
+    from engine.demo import demo_model_dir
+    return demo_model_dir()
+
+
+def load_from_args(a):
+    import engine
+    return engine.load(model_dir(a), device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
+                       cache_policy=a.cache_policy, reader_threads=a.reader_threads,
+                       vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch,
+                       speculate=a.speculate)
