@@ -12,6 +12,18 @@ import time
 import numpy as np
 
 
+def _best_gbps(copy, nbytes: int, repeats: int, stream) -> float:
+    copy()
+    stream.synchronize()
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        copy()
+        stream.synchronize()
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 @functools.lru_cache(maxsize=None)
 def h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Pinned host -> device copy bandwidth (best of repeats)."""
@@ -20,15 +32,7 @@ def h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     host[:] = 1
     dev = cuda.device_array(nbytes, np.uint8)
     s = cuda.stream()
-    dev.copy_to_device(host, stream=s)
-    s.synchronize()
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dev.copy_to_device(host, stream=s)
-        s.synchronize()
-        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
-    return best
+    return _best_gbps(lambda: dev.copy_to_device(host, stream=s), nbytes, repeats, s)
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,15 +42,7 @@ def hbm_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     a = cuda.device_array(nbytes, np.uint8)
     b = cuda.device_array(nbytes, np.uint8)
     s = cuda.stream()
-    b.copy_to_device(a, stream=s)
-    s.synchronize()
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        b.copy_to_device(a, stream=s)
-        s.synchronize()
-        best = max(best, 2 * nbytes / (time.perf_counter() - t) / 1e9)
-    return best
+    return _best_gbps(lambda: b.copy_to_device(a, stream=s), 2 * nbytes, repeats, s)
 
 
 def bound(per_token: dict, bw: dict) -> float:

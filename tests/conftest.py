@@ -93,6 +93,15 @@ def hf_reference(dst: Path):
     return m.eval()
 
 
+def hf_greedy(ref, ids, n: int) -> list:
+    """transformers' greedy continuation of ids (n tokens, no EOS stop)."""
+    import torch
+    with torch.no_grad():
+        out = ref.generate(torch.tensor(list(ids))[None], max_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -5,9 +5,7 @@ import json
 import subprocess
 import sys
 
-import torch
-
-from conftest import build_hf_model, hf_reference
+from conftest import build_hf_model, hf_greedy, hf_reference
 
 
 def test_cli_json_greedy_matches_transformers(tmp_path):
@@ -18,10 +16,7 @@ def test_cli_json_greedy_matches_transformers(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) >= {"prompt_ids", "output_ids", "text", "stats"}
-    ref = hf_reference(tmp_path)
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=16, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    want = hf_greedy(hf_reference(tmp_path), [1, 2, 3], 16)
     assert out["prompt_ids"] == [1, 2, 3]
     assert out["output_ids"] == want
     assert out["stats"]["decode_tok_s"] > 0
@@ -29,10 +24,7 @@ def test_cli_json_greedy_matches_transformers(tmp_path):
 
 def test_cli_streams_text_and_stops_at_eos(tmp_path):
     build_hf_model(tmp_path, "mixtral")
-    ref = hf_reference(tmp_path)
-    with torch.no_grad():
-        first = ref.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    first = hf_greedy(hf_reference(tmp_path), [5, 6, 7], 4)
     # make the third greedy token the EOS id: generation must stop at its first occurrence
     eos = first[2]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))

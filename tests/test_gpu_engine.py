@@ -7,16 +7,10 @@ import pytest
 import torch
 
 import engine
-from conftest import build_hf_model, hf_reference, rel_err
+from conftest import build_hf_model, hf_greedy, hf_reference, rel_err
 from engine.pack import pack
 
 pytestmark = pytest.mark.gpu
-
-
-def greedy_ref(ref, ids, n):
-    with torch.no_grad():
-        return ref.generate(torch.tensor(ids)[None], max_new_tokens=n, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("family,over", [
@@ -34,7 +28,7 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     with torch.no_grad():
         want = ref(torch.tensor(ids)[None]).logits[0].numpy()
     assert rel_err(g.logits(ids), want) < 1e-4
-    want_tokens = greedy_ref(ref, ids[:5], 32)
+    want_tokens = hf_greedy(ref, ids[:5], 32)
     assert g.generate(ids[:5], max_new_tokens=32).output_ids == want_tokens
     assert c.generate(ids[:5], max_new_tokens=32).output_ids == want_tokens
 
