@@ -20,8 +20,27 @@ from kernels_numba import gpu_experts as gx
 from kernels_numba import gpu_misc as gm
 from kernels_numba import gpu_sampling as gs
 
-PREFILL_CHUNK = 2048     # tokens per prefill pass: a whole prompt up to this reads each expert once per layer
+PREFILL_CHUNKS = (2048, 1024, 512, 256)   # tokens per prefill pass, largest that fits first: a
+                                          # prompt up to one chunk reads each expert once per layer
 GEMM_MIN_T = 8           # below this many tokens the matvec kernel beats the tiled GEMM
+
+
+def run_state_bytes(c, t: int, max_context: int) -> int:
+    """Device bytes of the activations for a prefill chunk of t tokens (Buffers below) and the
+    logits: what the planner reserves beside the KV cache."""
+    from kernels_numba.gpu_attention import num_splits
+    return 4 * (t * (6 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts)
+                + t * c.top_k * (c.moe_intermediate + c.hidden) + c.vocab_size * 2
+                + t * c.n_heads * num_splits(max_context) * (c.head_dim + 2))
+
+
+def pick_prefill_chunk(c, max_context: int, vram_bytes: float, share: float = 0.15) -> int:
+    """The largest prefill chunk whose run state stays within a share of the VRAM budget."""
+    for t in PREFILL_CHUNKS:
+        t = min(t, max_context)
+        if run_state_bytes(c, t, max_context) <= share * vram_bytes:
+            return t
+    return min(PREFILL_CHUNKS[-1], max_context)
 
 
 class Buffers:
@@ -71,9 +90,11 @@ class GpuRunState:
 
 class GpuDecoder:
     def __init__(self, c, weight, experts_host, plan, layout, on_route=None, prefill_batch: int = 32,
-                 max_context: int = 4096, use_graphs: bool = True, speculate: bool = False):
+                 max_context: int = 4096, use_graphs: bool = True, speculate: bool = False,
+                 prefill_chunk: int = 512):
         """weight(key, layer) -> host array; experts_host: get/contains over expert blocks."""
         self.max_context = max_context
+        self.prefill_chunk = prefill_chunk
         self.use_graphs = use_graphs
         self._graphs = None
         from engine.residency import VramResidency
@@ -156,9 +177,10 @@ class GpuDecoder:
             raise ValueError(f"context full: {st.pos} + {len(ids)} tokens exceed the "
                              f"{st.max_context}-token context (raise --max-context)")
         outs = []
-        for s in range(0, len(ids), PREFILL_CHUNK):
-            part = ids[s:s + PREFILL_CHUNK]
-            last = s + PREFILL_CHUNK >= len(ids)
+        step = self.prefill_chunk
+        for s in range(0, len(ids), step):
+            part = ids[s:s + step]
+            last = s + step >= len(ids)
             r = self._forward_chunk(part, st, all_logits, last)
             if r is not None:
                 outs.append(r)

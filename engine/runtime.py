@@ -238,7 +238,7 @@ class Engine:
         """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py)."""
         from numba import cuda
 
-        from engine.gpu import PREFILL_CHUNK, GpuDecoder
+        from engine.gpu import GpuDecoder, pick_prefill_chunk, run_state_bytes
         from engine.planner import plan
         from loader.layout import ExpertLayout
         c = self.config
@@ -258,18 +258,15 @@ class Engine:
         ram = ram_gb if ram_gb is not None else getattr(self.experts, "budget", 0) / 1e9
         dense_bytes = sum(np.asarray(w).nbytes for w in self._dense.values())
         kv = 2 * c.n_layers * self.max_context * c.kv_dim * 4
-        from kernels_numba.gpu_attention import num_splits
-        t = min(PREFILL_CHUNK, self.max_context)
-        run_state = 4 * (t * (6 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts)
-                         + t * c.top_k * (c.moe_intermediate + c.hidden) + c.vocab_size * 2
-                         + t * c.n_heads * num_splits(self.max_context) * (c.head_dim + 2))
+        chunk = pick_prefill_chunk(c, self.max_context, vram * 1e9)
+        run_state = run_state_bytes(c, chunk, self.max_context)
         total_experts = len(c.moe_layers) * c.n_experts
         self.plan = p = plan(vram_gb=vram, ram_gb=max(ram, 1e-9) if self.packed else 1e6,
                              dense_bytes=dense_bytes, kv_bytes=kv, run_state_bytes=run_state,
                              block_bytes=layout.block_bytes, top_k=c.top_k, total_experts=total_experts)
         print(p.describe(), file=sys.stderr)
         dec = GpuDecoder(c, self._weight, host, p, layout, on_route, prefill_batch,
-                         max_context=self.max_context, speculate=speculate)
+                         max_context=self.max_context, speculate=speculate, prefill_chunk=chunk)
         dec.upload_all([(k, l) for k, l in _dense_keys(c)])
         if hot_from:
             from engine.profile import RoutingProfile
