@@ -39,7 +39,9 @@ ACC_GU = 4 * TT                              # grouped gate_up accumulators per 
 ACC_DN = 2 * TT
 MAX_K = 64                                   # routed experts per token, at most
 SHARED_LIMIT = 48 * 1024                     # static + dynamic shared bytes without opt-in
-UNROLL = 4                                   # decode kernels: chunks in flight per lane and row
+# per-format default, from the H200 sweep in docs/PERF-cuda.md: NVFP4 decode is ALU/LDS-heavy
+# and lost 10-15 % with more loads in flight; fp8 / bf16 gained (bf16 27 %)
+UNROLL_FOR = {"nvfp4": 1, "fp8": 4, "bf16": 4}
 STAGE = 8                                    # staging x / act into shared: loads in flight
 TWO_POW_120 = float32(2.0 ** 120)
 
@@ -166,14 +168,14 @@ _PARTS = {
 }
 
 
-def _make_kernels(fmt: str, min_blocks: int = 0, unroll: int = UNROLL):
+def _make_kernels(fmt: str, min_blocks: int = 0, unroll: int = 0):
     """The four expert kernels of one format (or decode variant, e.g. "nvfp4-arith");
     min_blocks > 0 adds launch bounds (THREADS, min_blocks), capping registers so that many
     blocks fit on an SM."""
     CW = CHUNK[fmt.split("-")[0]]
-    U = unroll            # chunks a lane loads before it computes (memory-level parallelism)
-    UQ4 = 4 * unroll
-    UQ2 = 2 * unroll
+    U = unroll or UNROLL_FOR[fmt.split("-")[0]]   # chunks a lane loads before it computes
+    UQ4 = 4 * U
+    UQ2 = 2 * U
     jit = cuda.jit(launch_bounds=(THREADS, min_blocks)) if min_blocks and not SIM else cuda.jit
     CP = CW + 1  # shared stride per chunk: lanes reading consecutive chunks hit distinct banks
     decode, chunk_scale, row_scale = _PARTS[fmt]
@@ -527,10 +529,10 @@ def combine_kernel(y, pos, out, accumulate):
 _KERNELS = {fmt: _make_kernels(fmt) for fmt in CHUNK}   # fmt -> the four kernels (compiled lazily)
 
 
-def get_kernels(fmt: str, min_blocks: int = 0, unroll: int = UNROLL):
+def get_kernels(fmt: str, min_blocks: int = 0, unroll: int = 0):
     """(gate_up, down, grouped_gate_up, grouped_down) for fmt or a variant ("nvfp4-arith");
-    built once per (variant, min_blocks, unroll)."""
-    key = fmt if (min_blocks, unroll) == (0, UNROLL) else (fmt, min_blocks, unroll)
+    built once per (variant, min_blocks, unroll); unroll 0 = the format's default."""
+    key = fmt if (min_blocks, unroll) == (0, 0) else (fmt, min_blocks, unroll)
     if key not in _KERNELS:
         _KERNELS[key] = _make_kernels(fmt, min_blocks, unroll)
     return _KERNELS[key]
@@ -578,7 +580,7 @@ def down_grid(lay_host: np.ndarray, threads: int = THREADS) -> int:
 
 
 def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="", min_blocks=0,
-                   unroll=UNROLL, threads=THREADS):
+                   unroll=0, threads=THREADS):
     """x float32 [H] -> act float32 [K, I] for the K experts in slots int32 [K].
     threads: block size, a multiple of 32 up to THREADS (tuning)."""
     gate_up = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[0]
@@ -588,7 +590,7 @@ def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="",
 
 
 def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, accumulate=False,
-                variant="", min_blocks=0, unroll=UNROLL, threads=THREADS):
+                variant="", min_blocks=0, unroll=0, threads=THREADS):
     """act float32 [K, I] -> out float32 [H] = (out if accumulate) + sum_k weights[k] * down_k."""
     down = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[1]
     b64, b8, bf = views
@@ -597,7 +599,7 @@ def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, acc
 
 
 def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, accumulate=False,
-               variant="", min_blocks=0, unroll=UNROLL):
+               variant="", min_blocks=0, unroll=0):
     """One token through its K routed experts: two launches, nothing allocated, no sync.
 
     views: bank_views(bank); lay int64 [10] device, lay_host its numpy copy (shapes only);

@@ -135,7 +135,7 @@ class ExpertSetup:
         self.bytes_gate_up = k * 2 * sum(matrix_bytes(fmt, i, h))
         self.bytes_down = self.bytes_per_layer - self.bytes_gate_up
 
-    def run(self, stream=None, part="both", variant="", min_blocks=0, unroll=4, threads=256):
+    def run(self, stream=None, part="both", variant="", min_blocks=0, unroll=0, threads=256):
         from kernels_numba import gpu_experts as ge
         st = stream or self.stream
         for l in range(self.layers):
@@ -147,7 +147,7 @@ class ExpertSetup:
                                self.act, self.out, st, False, variant, min_blocks, unroll,
                                threads)
 
-    def layer_us(self, graph: bool, part="both", variant="", min_blocks=0, unroll=4,
+    def layer_us(self, graph: bool, part="both", variant="", min_blocks=0, unroll=0,
                  threads=256) -> float:
         from engine.graphs import capture_fn
         run = lambda st=None: self.run(st, part, variant, min_blocks, unroll, threads)  # noqa: E731
@@ -311,7 +311,7 @@ def main(out_path=None, only=None):
     print(f"HBM: d2d copy {res['copy_gbs']:.0f} GB/s, saxpy {res['saxpy_gbs']:.0f} GB/s", flush=True)
     from kernels_numba.gpu_experts import THREADS as ge_threads
     rows = []
-    sweep = [(u, t) for u in (2, 4) for t in (256, 128, 64) if t <= ge_threads]     # (unroll, threads)
+    sweep = [(u, t) for u in (1, 2, 4) for t in (256, 128, 64) if t <= ge_threads]     # (unroll, threads)
     fmts = [f for f in ("nvfp4", "fp8", "bf16") if f in only] if only else ("nvfp4", "fp8", "bf16")
     for fmt in fmts:
         for name, (h, i, k) in SHAPES.items():
