@@ -1,13 +1,17 @@
 """Weight encoders for the expert formats (bf16, FP8 E4M3, NVFP4) and their numpy decoders.
 
-Everything is vectorized numpy: the packer quantizes whole checkpoints through these functions.
-Rounding is round-to-nearest-even everywhere. Block byte layout: loader/layout.py.
+The public encoders (f32_to_bf16, f32_to_e4m3, quantize_nvfp4, quantize_fp8, encode_matrix,
+encode_expert_block) run the numba kernels of loader/quant_fast.py; the vectorized numpy versions
+are kept as the reference (*_ref, encode_matrix(..., ref=True)) and the two agree byte for byte
+(tests/test_quant.py). Rounding is round-to-nearest-even everywhere. Block byte layout:
+loader/layout.py.
 Legend: R = rows, K = columns, Kp = K rounded up to a multiple of 16 (NVFP4 row padding).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from loader import quant_fast as fast
 from loader.layout import NVFP4_GROUP, ExpertLayout, matrix_bytes, padded_k
 
 E4M3_MAX = 448.0
@@ -32,25 +36,54 @@ def _e4m3_table() -> np.ndarray:
 _E4M3_TABLE = _e4m3_table()  # [256] bits -> value
 
 
-def _check_finite(w: np.ndarray, name: str) -> None:
-    if not np.isfinite(w).all():
-        bad = int(np.size(w) - np.count_nonzero(np.isfinite(w)))
+def _refuse_non_finite(bad: int, name: str) -> None:
+    if bad:
         raise ValueError(f"{name}: {bad} NaN/Inf value(s) in the weights; cannot quantize")
 
 
-def _as_matrix(w: np.ndarray, name: str) -> np.ndarray:
+def _check_finite(w: np.ndarray, name: str) -> None:
+    if not np.isfinite(w).all():
+        _refuse_non_finite(int(np.size(w) - np.count_nonzero(np.isfinite(w))), name)
+
+
+def _as_f32_matrix(w: np.ndarray, name: str) -> np.ndarray:
+    """Any 2-D array -> float32 [R, K] C-contiguous (not yet checked for NaN/Inf)."""
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D weight matrix, got shape {w.shape}")
-    w = np.ascontiguousarray(w, dtype=np.float32)
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def _as_matrix(w: np.ndarray, name: str) -> np.ndarray:
+    w = _as_f32_matrix(w, name)
     _check_finite(w, name)
     return w
 
 
+def _global_scale(amax: float) -> np.float32:
+    """NVFP4 per-tensor scale: amax / (6 * 448) in float64, rounded to float32; 1 for an all-zero
+    tensor, the smallest subnormal where amax / 2688 underflows float32."""
+    g = np.float32(amax / (E2M1_MAX * E4M3_MAX)) if amax > 0 else np.float32(1.0)
+    if g == 0:
+        g = np.float32(np.finfo(np.float32).smallest_subnormal)
+    return g
+
+
 # ---- scalar formats ------------------------------------------------------------------------
+
+def _f32c(x) -> np.ndarray:
+    """Any array or scalar -> float32, C-contiguous, same shape (0-d stays 0-d)."""
+    x = np.asarray(x, dtype=np.float32)
+    return x if x.flags.c_contiguous else x.copy(order="C")
+
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> uint16 bfloat16 bits, round to nearest even (NaN stays a quiet NaN)."""
+    return fast.bf16(_f32c(x))
+
+
+def f32_to_bf16_ref(x: np.ndarray) -> np.ndarray:
+    """numpy reference of f32_to_bf16."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     out = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
     nan = np.isnan(np.asarray(x, dtype=np.float32))
@@ -69,6 +102,11 @@ def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
 
     NaN -> 0x7F; +-Inf saturate to +-448 (the FN variant has no infinities).
     """
+    return fast.e4m3(_f32c(x))
+
+
+def f32_to_e4m3_ref(x: np.ndarray) -> np.ndarray:
+    """numpy reference of f32_to_e4m3."""
     x = np.asarray(x, dtype=np.float32)
     a = np.minimum(np.abs(x), np.float32(E4M3_MAX))
     nan = np.isnan(a)
@@ -113,18 +151,25 @@ def quantize_nvfp4(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.
     Element 2j of a row sits in the low nibble of byte j; rows are zero-padded to Kp.
     dequant = E2M1 value * E4M3 block scale * global_scale.
     """
+    w = _as_f32_matrix(w, name)
+    bmax, bad = fast.block_amax(w)                                  # u32 [R, Kp/16] |w| bits
+    _refuse_non_finite(bad, name)
+    g = _global_scale(float(bmax.view(np.float32).max()) if bmax.size else 0.0)
+    q, s = fast.nvfp4(w, bmax, g)
+    return q, s, float(g)
+
+
+def quantize_nvfp4_ref(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray, float]:
+    """numpy reference of quantize_nvfp4."""
     w = _as_matrix(w, name)
     r, k = w.shape
     kp = padded_k("nvfp4", k)
     if kp != k:
         w = np.pad(w, ((0, 0), (0, kp - k)))
-    amax = float(np.abs(w).max()) if w.size else 0.0
-    g = np.float32(amax / (E2M1_MAX * E4M3_MAX)) if amax > 0 else np.float32(1.0)
-    if g == 0:  # amax so small that amax / 2688 underflows float32
-        g = np.float32(np.finfo(np.float32).smallest_subnormal)
+    g = _global_scale(float(np.abs(w).max()) if w.size else 0.0)
     blocks = w.reshape(r, kp // NVFP4_GROUP, NVFP4_GROUP)          # [R, Kp/16, 16]
     bmax = np.abs(blocks).max(axis=2)                               # [R, Kp/16]
-    s = f32_to_e4m3(bmax / np.float32(E2M1_MAX) / g)
+    s = f32_to_e4m3_ref(bmax / np.float32(E2M1_MAX) / g)
     denom = e4m3_to_f32(s) * g                                     # [R, Kp/16]
     v = np.zeros_like(blocks)
     np.divide(blocks, denom[:, :, None], out=v, where=denom[:, :, None] > 0)  # zero scale: zeros
@@ -145,11 +190,21 @@ def dequant_nvfp4(q: np.ndarray, s: np.ndarray, global_scale: float, k: int) -> 
 
 def quantize_fp8(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
     """w float32 [R, K] -> (q uint8 [R, K] E4M3 FN bits, s float32 [R]); dequant = q * s[r]."""
+    w = _as_f32_matrix(w, name)
+    amax, bad = fast.row_amax(w)
+    _refuse_non_finite(bad, name)
+    s = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    s[s == 0] = 1.0
+    return fast.fp8(w, s), s
+
+
+def quantize_fp8_ref(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """numpy reference of quantize_fp8."""
     w = _as_matrix(w, name)
     amax = np.abs(w).max(axis=1) if w.shape[1] else np.zeros(w.shape[0], np.float32)
     s = (amax / np.float32(E4M3_MAX)).astype(np.float32)
     s[s == 0] = 1.0
-    q = f32_to_e4m3(w / s[:, None])
+    q = f32_to_e4m3_ref(w / s[:, None])
     return q, s
 
 
@@ -163,15 +218,23 @@ def dequant_fp8(q: np.ndarray, s: np.ndarray) -> np.ndarray:
 MATRICES = ("gate", "up", "down")
 
 
-def encode_matrix(fmt: str, w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray, float]:
-    """One matrix in format fmt -> (q bytes, s bytes, global scale) as uint8 arrays for a block."""
+def encode_matrix(fmt: str, w: np.ndarray, name: str = "weight",
+                  ref: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+    """One matrix in format fmt -> (q bytes, s bytes, global scale) as uint8 arrays for a block.
+    ref=True encodes with the numpy references instead of the numba kernels (same bytes)."""
     if fmt == "bf16":
-        return f32_to_bf16(_as_matrix(w, name)).view(np.uint8).reshape(-1), np.empty(0, np.uint8), 1.0
+        if ref:
+            bits = f32_to_bf16_ref(_as_matrix(w, name))
+        else:
+            w = _as_f32_matrix(w, name)
+            _refuse_non_finite(fast.row_amax(w)[1], name)
+            bits = f32_to_bf16(w)
+        return bits.view(np.uint8).reshape(-1), np.empty(0, np.uint8), 1.0
     if fmt == "fp8":
-        q, s = quantize_fp8(w, name)
+        q, s = (quantize_fp8_ref if ref else quantize_fp8)(w, name)
         return q.reshape(-1), s.view(np.uint8), 1.0
     if fmt == "nvfp4":
-        q, s, g = quantize_nvfp4(w, name)
+        q, s, g = (quantize_nvfp4_ref if ref else quantize_nvfp4)(w, name)
         return q.reshape(-1), s.reshape(-1), g
     raise ValueError(f"{name}: unknown expert format {fmt!r}")
 
@@ -204,8 +267,9 @@ def assemble_expert_block(layout: ExpertLayout, parts: dict) -> np.ndarray:
 
 
 def encode_expert_block(fmt: str, layout: ExpertLayout, gate: np.ndarray, up: np.ndarray,
-                        down: np.ndarray, name: str = "expert") -> np.ndarray:
-    """gate [I, H], up [I, H], down [H, I] float32 -> one block, uint8 [layout.block_bytes]."""
+                        down: np.ndarray, name: str = "expert", ref: bool = False) -> np.ndarray:
+    """gate [I, H], up [I, H], down [H, I] float32 -> one block, uint8 [layout.block_bytes].
+    ref=True: the numpy reference encoders (the same bytes, ~20x slower)."""
     if fmt != layout.fmt:
         raise ValueError(f"{name}: format {fmt!r} does not match the layout's {layout.fmt!r}")
     parts = {}
@@ -214,7 +278,7 @@ def encode_expert_block(fmt: str, layout: ExpertLayout, gate: np.ndarray, up: np
         if tuple(np.shape(w)) != want:
             raise ValueError(f"{name}.{m}: shape {tuple(np.shape(w))}, expected {want} "
                              f"(H={layout.hidden}, I={layout.intermediate})")
-        parts[m] = encode_matrix(fmt, w, f"{name}.{m}")
+        parts[m] = encode_matrix(fmt, w, f"{name}.{m}", ref)
     return assemble_expert_block(layout, parts)
 
 
