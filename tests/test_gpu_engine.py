@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engine
-from conftest import build_hf_model, hf_greedy, hf_reference, rel_err
+from conftest import assert_greedy, build_hf_model, hf_reference, rel_err
 from engine.pack import pack
 
 pytestmark = pytest.mark.gpu
@@ -28,9 +28,8 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     with torch.no_grad():
         want = ref(torch.tensor(ids)[None]).logits[0].numpy()
     assert rel_err(g.logits(ids), want) < 1e-4
-    want_tokens = hf_greedy(ref, ids[:5], 32)
-    assert g.generate(ids[:5], max_new_tokens=32).output_ids == want_tokens
-    assert c.generate(ids[:5], max_new_tokens=32).output_ids == want_tokens
+    assert_greedy(ref, ids[:5], g.generate(ids[:5], max_new_tokens=32).output_ids, 32)
+    assert_greedy(ref, ids[:5], c.generate(ids[:5], max_new_tokens=32).output_ids, 32)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "bf16"])

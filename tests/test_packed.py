@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import engine
-from conftest import build_hf_model, hf_greedy, hf_reference, rel_err
+from conftest import assert_greedy, build_hf_model, hf_reference, rel_err
 from engine.names import expert_names
 from engine.pack import pack
 from loader.arena import ArenaError, ArenaFile
@@ -52,8 +52,7 @@ def test_quantized_arena_matches_transformers_on_dequantized_weights(tmp_path, f
     with torch.no_grad():
         want = ref(torch.tensor(ids)[None]).logits[0].numpy()
     assert rel_err(m.logits(ids), want) < 1e-4
-    gen = hf_greedy(ref, ids[:5], 32)
-    assert m.generate(ids[:5].tolist(), max_new_tokens=32).output_ids == gen
+    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=32).output_ids, 32)
 
 
 def test_bf16_arena_same_tokens_as_checkpoint(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import engine
-from conftest import build_hf_model, hf_greedy, hf_reference, rel_err
+from conftest import assert_greedy, build_hf_model, hf_reference, rel_err
 
 CASES = [
     ("qwen3_moe", {}),
@@ -40,9 +40,8 @@ def test_logits_and_greedy_match_transformers(tmp_path, family, over):
     got = m.logits(ids)
     assert got.shape == want.shape
     assert rel_err(got, want) < 1e-4
-    gen = hf_greedy(ref, ids[:5], 32)
     res = m.generate(ids[:5].tolist(), max_new_tokens=32, temperature=0)
-    assert res.output_ids == gen
+    assert_greedy(ref, ids[:5].tolist(), res.output_ids, 32)
 
 
 def test_sharded_checkpoint(tmp_path):
@@ -64,5 +63,4 @@ def test_bf16_checkpoint(tmp_path, family):
     with torch.no_grad():
         want = ref(torch.tensor(ids)[None]).logits[0].numpy()
     assert rel_err(m.logits(ids), want) < 1e-4
-    gen = hf_greedy(ref, ids[:5], 32)
-    assert m.generate(ids[:5].tolist(), max_new_tokens=32).output_ids == gen
+    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=32).output_ids, 32)
