@@ -4,6 +4,8 @@ Development only (torch + transformers + tokenizers, matplotlib for the plot); t
 imports it. Deterministic given --seed on one Python version (the corpus is that version's stdlib).
 
     python tools/train_demo.py train  --out build/demo [--steps N] [--device cpu|cuda]
+    python tools/train_demo.py train  --init build/demo --out build/demo2 --steps N --lr X \
+                                      --split-prob 0.05      # continue (docs/demo-model.md)
     python tools/train_demo.py export --out build/demo            # pack -> engine/data/demo
     python tools/train_demo.py report --out build/demo            # docs/demo-loss.png, numbers
 
@@ -68,6 +70,10 @@ class DemoConfig:
     weight_decay: float = 0.1
     steps: int = 240
     seed: int = 0
+    # a word token " foo" becomes " " + "foo" with this probability, so a prompt that ends in a
+    # space (the CLI's default "def ") continues as the text would: BPE never shows a lone " "
+    # before a word otherwise
+    split_prob: float = 0.0
 
     def hf_config(self):
         import transformers as tf
@@ -138,7 +144,29 @@ def lr_at(step: int, cfg: DemoConfig) -> float:
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def train(out: Path, cfg: DemoConfig, device: str, threads: int) -> None:
+def boundary_splitter(tk):
+    """(split_to int [V]: the id of " foo"'s "foo" or -1, the id of " ") for the byte-level vocab."""
+    space = tk.token_to_id("\u0120")                   # "Ġ": the byte-level spelling of " "
+    split_to = np.full(tk.get_vocab_size(), -1, np.int64)
+    for s, i in tk.get_vocab().items():
+        if len(s) > 1 and s[0] == "\u0120" and s[1:].isidentifier():
+            split_to[i] = tk.token_to_id(s[1:]) if tk.token_to_id(s[1:]) is not None else -1
+    return split_to, space
+
+
+def split_boundaries(x: np.ndarray, split_to: np.ndarray, space: int, p: float, rng) -> np.ndarray:
+    """x int [B, S] -> [B, S]: some " foo" tokens replaced by " ", "foo"; each row cut back to S."""
+    out = np.empty_like(x)
+    for b in range(x.shape[0]):
+        row = x[b]
+        pick = (split_to[row] >= 0) & (rng.random(len(row)) < p)
+        pieces = [np.array([space, split_to[t]]) if k else np.array([t]) for t, k in zip(row, pick)]
+        out[b] = np.concatenate(pieces)[:x.shape[1]]
+    return out
+
+
+def train(out: Path, cfg: DemoConfig, device: str, threads: int, init: Path | None = None) -> None:
+    """Train from scratch, or (init) continue from a folder this command wrote, with its tokenizer."""
     import torch
     import transformers as tf
     torch.manual_seed(cfg.seed)
@@ -150,7 +178,11 @@ def train(out: Path, cfg: DemoConfig, device: str, threads: int) -> None:
     t0 = time.perf_counter()
     train_txt = [t for t in (read_text(root, r) for r in train_rel) if t]
     val_txt = [t for t in (read_text(root, r) for r in val_rel) if t]
-    tk = train_tokenizer(train_txt, cfg.vocab)
+    if init is None:
+        tk = train_tokenizer(train_txt, cfg.vocab)
+    else:
+        from tokenizers import Tokenizer
+        tk = Tokenizer.from_file(str(init / "hf" / "tokenizer.json"))
     eos = tk.token_to_id("<|endoftext|>")
     assert [tk.token_to_id(s) for s in SPECIALS] == [0, 1, 2]
     data = encode_stream(tk, train_txt, eos)
@@ -158,7 +190,11 @@ def train(out: Path, cfg: DemoConfig, device: str, threads: int) -> None:
     print(f"corpus: {len(train_txt)} train files ({len(data):,} tokens), {len(val_txt)} held out "
           f"({len(val):,} tokens), tokenizer {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
-    model = tf.Qwen3MoeForCausalLM(cfg.hf_config()).to(device)
+    if init is None:
+        model = tf.Qwen3MoeForCausalLM(cfg.hf_config()).to(device)
+    else:   # bf16 weights upcast: the continuation trains in float32 like the first run
+        model = tf.Qwen3MoeForCausalLM.from_pretrained(init / "hf", dtype=torch.float32).to(device)
+    split_to, space = boundary_splitter(tk)
     model.config.output_router_logits = True           # adds the load-balancing loss to .loss
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -188,7 +224,15 @@ def train(out: Path, cfg: DemoConfig, device: str, threads: int) -> None:
     log = {"config": asdict(cfg), "device": device, "threads": torch.get_num_threads(),
            "params": n_params, "train_tokens": int(len(data)), "val_tokens": int(len(val)),
            "python": platform.python_version(), "torch": torch.__version__,
-           "transformers": tf.__version__, "steps": [], "val": []}
+           "transformers": tf.__version__, "steps": [], "val": [], "phases": []}
+    step0 = 0
+    if init is not None:   # the curve continues from the first run's
+        prev = json.loads((init / "loss.json").read_text())
+        log["phases"] = prev.get("phases") or [{"config": prev["config"], "steps": len(prev["steps"]),
+                                               "train_s": prev["train_s"], "init": None}]
+        log["steps"], log["val"] = prev["steps"], prev["val"]
+        step0 = log["steps"][-1]["step"]
+    phase = {"config": asdict(cfg), "steps": cfg.steps, "init": str(init) if init else None}
     print(f"model: {n_params / 1e6:.2f} M parameters; {cfg.steps} steps of {cfg.batch} x {cfg.seq} "
           f"tokens on {device}", file=sys.stderr)
     model.train()
@@ -198,6 +242,9 @@ def train(out: Path, cfg: DemoConfig, device: str, threads: int) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         x = batch(rng.integers(0, len(data) - cfg.seq - 1, size=cfg.batch), data)
+        if cfg.split_prob > 0:
+            x = torch.from_numpy(split_boundaries(x.cpu().numpy(), split_to, space, cfg.split_prob,
+                                                  rng)).to(device)
         # labels are shifted inside the model: labels = inputs
         o = model(input_ids=x[:, :-1], labels=x[:, :-1].clone())
         opt.zero_grad(set_to_none=True)
@@ -206,17 +253,19 @@ def train(out: Path, cfg: DemoConfig, device: str, threads: int) -> None:
         opt.step()
         ce = float(o.loss.detach() - cfg.aux_loss_coef * o.aux_loss.detach())
         el = time.perf_counter() - t_start
-        log["steps"].append({"step": step + 1, "loss": ce, "aux": float(o.aux_loss.detach()), "lr": lr,
+        log["steps"].append({"step": step0 + step + 1, "loss": ce, "aux": float(o.aux_loss.detach()), "lr": lr,
                              "grad_norm": gn, "elapsed_s": el})
         if (step + 1) % 10 == 0 or step == 0:
             print(f"step {step + 1:5d}  loss {ce:.4f}  aux {float(o.aux_loss.detach()):.3f}  lr {lr:.2e}  "
                   f"{el / (step + 1):.2f} s/step", file=sys.stderr, flush=True)
         if (step + 1) % 100 == 0 or step + 1 == cfg.steps:
             v = val_loss()
-            log["val"].append({"step": step + 1, "loss": v})
+            log["val"].append({"step": step0 + step + 1, "loss": v})
             print(f"  held-out loss {v:.4f} (ppl {math.exp(v):.2f})", file=sys.stderr, flush=True)
         (out / "loss.json").write_text(json.dumps(log)) if (step + 1) % 50 == 0 else None
-    log["train_s"] = time.perf_counter() - t_start
+    phase["train_s"] = time.perf_counter() - t_start
+    log["phases"].append(phase)
+    log["train_s"] = sum(ph["train_s"] for ph in log["phases"])
     (out / "loss.json").write_text(json.dumps(log, indent=1))
     save_hf(model, tk, out / "hf")
     print(f"trained in {log['train_s'] / 60:.1f} min; wrote {out / 'hf'}", file=sys.stderr)
@@ -434,6 +483,10 @@ def plot_loss(log: dict, dst: Path) -> None:
     if log["val"]:
         ax.plot([v["step"] for v in log["val"]], [v["loss"] for v in log["val"]], "o-", color="C3",
                 label="held-out stdlib files")
+    ends = np.cumsum([ph["steps"] for ph in log.get("phases", [])])[:-1]
+    for i, e in enumerate(ends):   # a continuation run (train --init) starts here
+        ax.axvline(e, color="grey", ls="--", lw=0.8,
+                   label="continued: lr re-warmed, ' '+word splits" if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
     cfg = log["config"]
@@ -453,11 +506,16 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--steps", type=int, default=DemoConfig.steps)
     p.add_argument("--seed", type=int, default=DemoConfig.seed)
-    p.add_argument("--files", type=int, default=24, help="report: held-out files scored")
+    p.add_argument("--lr", type=float, default=DemoConfig.lr)
+    p.add_argument("--warmup", type=int, default=DemoConfig.warmup)
+    p.add_argument("--split-prob", type=float, default=DemoConfig.split_prob)
+    p.add_argument("--init", type=Path, help="train: continue from this OUT folder (its hf/, loss.json)")
+    p.add_argument("--files", type=int, default=16, help="report: held-out files scored")
     p.add_argument("--tokens", type=int, default=512, help="report: first tokens of each file")
     a = p.parse_args(argv)
     if a.cmd == "train":
-        train(a.out, DemoConfig(steps=a.steps, seed=a.seed), a.device, a.threads)
+        train(a.out, DemoConfig(steps=a.steps, seed=a.seed, lr=a.lr, warmup=a.warmup,
+                                split_prob=a.split_prob), a.device, a.threads, a.init)
     elif a.cmd == "export":
         export(a.out)
     else:
