@@ -59,6 +59,19 @@ def hf_config(family: str, **over):
     return cls(**kw)
 
 
+def widen_init(model) -> None:
+    """A wider-than-default random init, so logits and routing are not all flat."""
+    import torch
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
+            elif "norm" in n:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+
+
 def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_size=None, seed=None,
                    **over):
     """Save a randomly initialised transformers model + a byte-level tokenizer into dst."""
@@ -69,14 +82,7 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
     cls = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
            "olmoe": tf.OlmoeForCausalLM}[family]
     model = cls(cfg)
-    with torch.no_grad():  # wider-than-default init so logits and routing are not all flat
-        for n, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
-            elif "norm" in n:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.1)
+    widen_init(model)
     model = model.to(getattr(torch, dtype)).eval()
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(dst, **kw)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import engine
-from conftest import rel_err
+from conftest import rel_err, widen_init
 from engine.demo import byte_level_tokenizer
 from engine.models import family_of
 from engine.models.rope import ConfigError
@@ -53,14 +53,7 @@ def build(dst, family: str, seed: int = 0, dtype: str = "float32", **over):
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
-            elif "norm" in n:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.1)
+    widen_init(model)
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(dst)
     model = model.float()
