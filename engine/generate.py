@@ -36,6 +36,10 @@ def parse_args(argv=None):
     return a
 
 
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     from engine.models.rope import ConfigError
@@ -81,8 +85,8 @@ def main(argv=None) -> int:
         if ex.get("source") == "arena":
             print(f"experts ({ex['format']}): RAM cache hit rate {ex.get('hit_rate', 0):.1%} "
                   f"({ex.get('hits', 0)} hits, {ex.get('misses', 0)} misses, "
-                  f"{ex.get('evictions', 0)} evictions) | read {ex.get('bytes_read', 0) / 1e6:.1f} MB "
-                  f"at {ex.get('read_gbps', 0):.2f} GB/s | budget {ex['ram_budget_bytes'] / 1e9:.2f} GB",
+                  f"{ex.get('evictions', 0)} evictions) | read {_size(ex.get('bytes_read', 0))} "
+                  f"at {ex.get('read_gbps', 0):.2f} GB/s | budget {_size(ex['ram_budget_bytes'])}",
                   file=sys.stderr)
     return 0
 
