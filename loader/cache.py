@@ -363,7 +363,7 @@ class ExpertCache:
                 key = (layer, e)
                 if key in self._entries:
                     continue
-                if not self._free and self.policy.victim(layer, self._pins) is None:
+                if not self._free and self.policy.victim(layer, self._busy()) is None:
                     break
                 self._start_read(key, demand=False)
                 self._stats.prefetches += 1
@@ -377,11 +377,15 @@ class ExpertCache:
 
     # ---- slots and reads (called with the lock held) -----------------------------------------
 
+    def _busy(self) -> set:
+        """Keys that must not be evicted: the last demand request's, and blocks still loading."""
+        return self._pins | {k for k, ent in self._entries.items() if ent.state == _LOADING}
+
     def _take_slot(self, layer: int, demand: bool) -> int:
         while True:
             if self._free:
                 return self._free.pop()
-            victim = self.policy.victim(layer, self._pins)
+            victim = self.policy.victim(layer, self._busy())
             if victim is not None:
                 ent = self._entries.pop(victim)
                 self.policy.remove(victim)
@@ -400,6 +404,8 @@ class ExpertCache:
         slot = self._take_slot(key[0], demand)
         ent = _Entry(slot, prefetched=not demand)
         self._entries[key] = ent
+        # counted in its layer's share from now, so a loading miss is not taken from another layer
+        self.policy.admit(key)
         rec = self.arena.block_record(*key)
         ent.read = self.reader.read(key[0], key[1], rec["offset"], rec["size"],
                                     self.pool.view(slot), demand=demand)
@@ -410,6 +416,8 @@ class ExpertCache:
         if self._entries.get(key) is ent:
             del self._entries[key]
             self._free.append(ent.slot)
+            if key in self.policy:
+                self.policy.remove(key)
 
     def _landed(self, key: tuple[int, int], ent: _Entry, read: Future) -> None:
         """Reader thread (or a cancelling thread): verify the block and make it resident."""
@@ -429,7 +437,6 @@ class ExpertCache:
         with self._cv:
             if err is None:
                 ent.state = _READY
-                self.policy.admit(key)
                 self._stats.bytes_read += self.block_bytes
             else:
                 self._stats.read_errors += 1

@@ -184,3 +184,35 @@ def test_pinned_pool_fallback():
             p.acquire()
     with PinnedPool(1, 10) as p:           # auto: no GPU here -> mmap
         assert p.total_bytes == 4096
+
+
+def test_live_cache_matches_the_simulator_on_the_demo_trace():
+    """The live cache and engine.trace.simulate make the same decisions: a loading miss counts
+    in its own layer's share (it is not taken from another layer)."""
+    from pathlib import Path
+
+    from engine.pack import load_manifest
+    from engine.trace import load_trace, simulate
+    from loader.arena import ArenaFile
+    from loader.cache import ExpertCache
+    from loader.reader import ReaderPool
+    demo = Path(__file__).parents[1] / "engine" / "data" / "demo"
+    ids, _ = load_trace(Path(__file__).parent / "data" / "demo-trace.npz")
+    ids = ids[:400]
+    arena = ArenaFile.from_manifest(load_manifest(demo), demo)
+    try:
+        layers = arena.moe_layers
+        for policy in ("lru", "lfu", "decay"):
+            n_slots = 2 * len(layers)
+            sim = simulate(ids, n_slots, policy, "layer")
+            with ReaderPool(arena.path, n_threads=2) as reader, \
+                    ExpertCache(arena, reader, n_slots * arena.block_bytes, len(layers),
+                                arena.n_experts, policy=policy, layers=layers, use_cuda=False) as cache:
+                for t in range(ids.shape[0]):
+                    for li, layer in enumerate(layers):
+                        cache.get_many(layer, ids[t, li].tolist())
+                    cache.tick()
+                st = cache.stats()
+            assert (st.hits, st.misses) == (sim["hits"], sim["misses"]), policy
+    finally:
+        arena.close()
