@@ -64,18 +64,6 @@ def dram_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return best
 
 
-def decode_bytes_per_token(m) -> int:
-    """Weight bytes one decode token reads: dense side, the routed experts, the lm_head row set."""
-    c = m.config
-    dense = sum(np.asarray(w).nbytes for n, w in m._dense.items() if "embed_tokens" not in n)
-    if c.tie_embeddings:
-        dense += np.asarray(m._dense["model.embed_tokens.weight"]).nbytes
-    ck = m.checkpoint
-    from engine.names import expert_names
-    per_expert = sum(ck.info(n).nbytes for n in expert_names(c.family, c.moe_layers[0], 0))
-    return int(dense + len(c.moe_layers) * c.top_k * per_expert)
-
-
 def synth_dir(preset: str) -> Path:
     from engine.demo import build_random_model, cache_dir
     d = cache_dir() / f"synth-{preset}-bf16"
@@ -90,7 +78,7 @@ def cpu_decode(preset: str = "mid", tokens: int = 32) -> dict:
     m = engine.load(synth_dir(preset), device="cpu")
     m.generate([1, 2, 3, 4], max_new_tokens=4)  # compile kernels
     res = m.generate([1, 2, 3, 4, 5, 6, 7, 8], max_new_tokens=tokens, temperature=0)
-    bpt = decode_bytes_per_token(m)
+    bpt = m.weight_bytes_per_token()
     bw = dram_read_bandwidth()
     tok_s = res.stats["decode_tok_s"]
     bound = bw * 1e9 / bpt

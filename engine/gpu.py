@@ -422,17 +422,14 @@ class GpuDecoder:
         return ids
 
     def _moe(self, l, b, t):
-        c, cs = self.c, self.cs
         ids = self._route(l, b, t)
-        x = b.x[:t]
-        if t == 1:
+        if t == 1:   # b is self.one: the same launches the graphed decode replays
             self.slots_h[l] = self.res.resolve(l, ids[0])
-            self.slots_d[l].copy_to_device(self.slots_h[l], stream=cs)
-            gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0],
-                          b.h[0], b.act[:c.top_k], b.moe[0], cs)
-        else:
-            self._moe_grouped(l, b, t, ids)
-        gd.add(x.reshape(-1), b.moe[:t].reshape(-1), x.reshape(-1), cs)
+            self._seg_experts(l, False)
+            return
+        self._moe_grouped(l, b, t, ids)
+        x = b.x[:t]
+        gd.add(x.reshape(-1), b.moe[:t].reshape(-1), x.reshape(-1), self.cs)
 
     def _moe_grouped(self, l, b, t, ids):
         """Prefill: each expert read once for the chunk, in batches whose copies overlap compute."""

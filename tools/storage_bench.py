@@ -34,6 +34,7 @@ from unittest import mock
 
 import numpy as np
 
+from engine.bench import drop_page_cache as drop_cache
 from engine.trace import load_trace, simulate
 from loader import quant as Q
 from loader.arena import ARENA_NAME, ArenaFile, write_arena
@@ -50,16 +51,6 @@ RAW_CHUNK = 8 << 20                # raw O_DIRECT request size
 
 
 # ---- disk helpers ----------------------------------------------------------------------------
-
-def drop_cache(path: str | os.PathLike) -> None:
-    """Write back and drop the file's pages from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
 
 def raw_direct_read(path: str | os.PathLike, threads: int = 1, chunk: int = RAW_CHUNK) -> float:
     """GB/s of reading the whole file with O_DIRECT, chunk-sized requests taken in file order by

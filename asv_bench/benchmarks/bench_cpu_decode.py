@@ -4,7 +4,7 @@ asv treats lower as better, so throughput is tracked as milliseconds per token a
 distance from the bound as bound/achieved (1.0 = at the bound).
 """
 import engine
-from engine.bench import PRESETS, decode_bytes_per_token, dram_read_bandwidth, synth_dir
+from engine.bench import PRESETS, dram_read_bandwidth, synth_dir
 
 
 class CpuDecode:
@@ -34,6 +34,6 @@ class CpuDecode:
     track_decode_ms_per_token.unit = "ms/token"
 
     def track_bound_over_achieved(self, dirs, preset):
-        bound_s = decode_bytes_per_token(self.m) / (dram_read_bandwidth(1 << 28) * 1e9)
+        bound_s = self.m.weight_bytes_per_token() / (dram_read_bandwidth(1 << 28) * 1e9)
         return self._decode_s_per_token() / bound_s
     track_bound_over_achieved.unit = "x of DRAM bound"
