@@ -131,7 +131,8 @@ def uniform_router(n_experts: int, top_k: int, seed: int = 0):
 
 
 def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int, out_json=None,
-               resident_vram_gb: float | None = None, route: str = "model") -> list:
+               resident_vram_gb: float | None = None, route: str = "model", profile: bool = False,
+               speculate: bool = False) -> list:
     """Decode and prefill tokens/s on the cuda backend under each RAM budget, page cache dropped
     before each run, with the bound from bandwidths measured in this run."""
     import engine
@@ -148,20 +149,37 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
     for vram, ram in runs:
         drop_page_cache(arena)
         t = time.perf_counter()
-        m = engine.load(model, device="cuda", vram_gb=vram, ram_gb=ram, max_context=prompt_len + tokens + 8)
+        m = engine.load(model, device="cuda", vram_gb=vram, ram_gb=ram, max_context=prompt_len + tokens + 8,
+                        speculate=speculate)
         load_s = time.perf_counter() - t
+        # compile every kernel and capture the graphs outside the timed run (numba compiles on
+        # first launch); then the page cache is dropped again for a cold prefill
+        m.generate(rng.integers(0, m.config.vocab_size, 16).tolist(), max_new_tokens=3,
+                   temperature=1.0, seed=1)
+        drop_page_cache(arena)
         prompt = rng.integers(0, m.config.vocab_size, prompt_len).tolist()
         if route == "uniform":
             m.gpu.route_override = uniform_router(m.config.n_experts, m.config.top_k)
             m.gpu.speculate = False
         # sampled, not greedy: a random-weight model repeats one token under greedy decoding,
         # which would route every step to the same experts
+        if profile:   # where the decode thread's time goes (Python side)
+            import cProfile
+            import io
+            import pstats
+            pr = cProfile.Profile()
+            pr.enable()
         res = m.generate(prompt, max_new_tokens=tokens, temperature=1.0, seed=0)
+        if profile:
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+            print(buf.getvalue(), file=sys.stderr)
         s = res.stats
         pt = s["decode_per_token"]
         per = {"disk": pt["disk_bytes"], "h2d": pt["h2d_bytes"], "hbm": pt["weight_bytes"]}
         b = bound(per, bw)
-        row = {"vram_gb": vram, "ram_gb": ram, "all_resident": m.plan.all_resident, "route": route,
+        row = {"vram_gb": vram, "ram_gb": ram, "speculate": m.gpu.speculate, "all_resident": m.plan.all_resident, "route": route,
                "hot_experts": m.plan.hot_slots, "total_experts": m.plan.total_experts,
                "load_s": load_s, "prefill_tokens": s["prefill_tokens"], "prefill_tok_s": s["prefill_tok_s"],
                "decode_tokens": s["decode_tokens"], "decode_tok_s": s["decode_tok_s"],
@@ -169,12 +187,15 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
                "achieved_over_bound": s["decode_tok_s"] / b, "vram": s.get("vram"),
                "ram_cache": {k: s["experts"].get(k) for k in ("hit_rate", "hits", "misses", "evictions",
                                                               "bytes_read", "read_gbps")},
-               "wait_host_s_per_token": pt["wait_host_s"], "compute_s_per_token": pt["compute_s"]}
+               "wait_host_s_per_token": pt["wait_host_s"], "wait_h2d_s_per_token": pt["wait_h2d_s"],
+               "compute_s_per_token": pt["compute_s"]}
         rows.append(row)
         print(f"[{route} routing] vram {vram:g} GB ram {ram:g} GB: prefill {row['prefill_tok_s']:.0f} tok/s, decode "
               f"{row['decode_tok_s']:.1f} tok/s | per token disk {per['disk'] / 1e6:.1f} MB, H2D "
               f"{per['h2d'] / 1e6:.1f} MB, weights {per['hbm'] / 1e6:.0f} MB | bound {b:.1f} tok/s | "
-              f"achieved/bound {row['achieved_over_bound']:.2f}", file=sys.stderr)
+              f"achieved/bound {row['achieved_over_bound']:.2f} | ms per token: compute "
+              f"{1e3 * pt['compute_s']:.1f}, H2D wait {1e3 * pt['wait_h2d_s']:.1f}, host tier "
+              f"{1e3 * pt['wait_host_s']:.1f}", file=sys.stderr)
         if out_json:
             Path(out_json).write_text(json.dumps(rows, indent=1))
         m.experts.close()
@@ -198,10 +219,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--route", choices=("model", "uniform"), default="model",
                    help="uniform: replace the model's routing by uniform random draws (forces streaming)")
+    p.add_argument("--speculate", action="store_true", help="speculative copies on (engine --speculate)")
+    p.add_argument("--profile", action="store_true",
+                   help="print where the decode thread spends its time (cProfile, top 25)")
     a = p.parse_args(argv)
     if a.what == "gpu-stream":
         gpu_stream(a.model, a.vram_gb, a.ram_gb, a.tokens, a.prompt_len, a.out, a.resident_vram_gb,
-                   a.route)
+                   a.route, a.profile, a.speculate)
         return 0
     r = cpu_decode(a.preset, a.tokens)
     print(json.dumps(r, indent=1))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from engine.affinity import parse_cores, parse_decode_core
+
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder or repo id in the local HF cache "
@@ -22,6 +24,24 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="run the next layer's router on this layer's input and start its copies early")
     p.add_argument("--cache-policy", choices=("lru", "lfu", "decay"), default="lru")
     p.add_argument("--reader-threads", type=int, default=4)
+    p.add_argument("--decode-core", type=_arg(parse_decode_core), default="auto", metavar="N",
+                   help="pin the generating thread to core N while it generates; 'none' or -1: "
+                        "unpinned (default auto: the last allowed core on cuda, unpinned on cpu)")
+    p.add_argument("--reader-cores", type=_arg(parse_cores), default=None, metavar="LIST",
+                   help="cores the arena reader threads run on, like 0-6,8 (default: the allowed "
+                        "cores but the decode core; the only one when just one is allowed)")
+
+
+def _arg(parse):
+    """An argparse type from a parser that raises ValueError: the message names the flag already,
+    argparse prefixes 'argument --flag:', so keep what follows the flag."""
+    def conv(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).split(" ", 1)[1]) from None
+    conv.__name__ = parse.__name__
+    return conv
 
 
 def model_dir(a):
@@ -37,4 +57,4 @@ def load_from_args(a):
     return engine.load(model_dir(a), device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
                        cache_policy=a.cache_policy, reader_threads=a.reader_threads,
                        vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch,
-                       speculate=a.speculate)
+                       speculate=a.speculate, decode_core=a.decode_core, reader_cores=a.reader_cores)

@@ -81,6 +81,7 @@ def main(argv=None) -> int:
         print(f"prefill: {s['prefill_tokens']} tokens at {s['prefill_tok_s']:.1f} tok/s | "
               f"decode: {s['decode_tokens']} tokens at {s['decode_tok_s']:.2f} tok/s | "
               f"device {m.device} | finish: {res.finish_reason}", file=sys.stderr)
+        print(m.cores.describe(), file=sys.stderr)
         ex = s.get("experts", {})
         if ex.get("source") == "arena":
             print(f"experts ({ex['format']}): RAM cache hit rate {ex.get('hit_rate', 0):.1%} "
@@ -88,6 +89,16 @@ def main(argv=None) -> int:
                   f"{ex.get('evictions', 0)} evictions) | read {_size(ex.get('bytes_read', 0))} "
                   f"at {ex.get('read_gbps', 0):.2f} GB/s | budget {_size(ex['ram_budget_bytes'])}",
                   file=sys.stderr)
+        vr, pt = s.get("vram"), s.get("decode_per_token")
+        if vr and pt:
+            spec = ("" if vr.get("spec_accuracy") is None else
+                    f" | speculative accuracy {vr['spec_accuracy']:.0%}, "
+                    f"{_size(vr['spec_wasted_bytes'])} wasted")
+            print(f"experts by tier: VRAM {vr['vram_hit_rate']:.1%}, RAM {vr['ram_hit_rate']:.1%}, "
+                  f"disk {vr['disk_rate']:.1%} | per decode token: H2D {_size(pt['h2d_bytes'])}, "
+                  f"disk {_size(pt['disk_bytes'])}; compute {1e3 * pt['compute_s']:.1f} ms, "
+                  f"waiting on H2D {1e3 * pt['wait_h2d_s']:.1f} ms, on the host tier "
+                  f"{1e3 * pt['wait_host_s']:.1f} ms{spec}", file=sys.stderr)
     return 0
 
 

@@ -55,6 +55,7 @@ class Buffers:
         self.k = cuda.device_array((t, c.kv_dim), f)
         self.v = cuda.device_array((t, c.kv_dim), f)
         self.att = cuda.device_array((t, c.q_dim), f)
+        self.qkv = cuda.device_array(c.q_dim + 2 * c.kv_dim, f)   # one decode token's q | k | v
         self.o = cuda.device_array((t, c.hidden), f)
         self.rl = cuda.device_array((t, c.n_experts), f)         # router logits [T, E]
         self.ids = cuda.device_array((t, c.top_k), np.int32)     # [T, K]
@@ -88,7 +89,19 @@ class GpuRunState:
         self.pos = 0
 
 
+_QKV = ("q", "k", "v")
+
+
+def embed_on_host(c) -> bool:
+    """An untied embedding table is only gathered from (one row a token): it stays in host RAM."""
+    return not c.tie_embeddings
+
+
 class GpuDecoder:
+    fuse_qkv = True   # families whose q / k / v are plain projections of the normed input
+    buffers_cls = Buffers       # run-state classes: engine/gpu_hybrid.py extends them
+    state_cls = GpuRunState
+
     def __init__(self, c, weight, experts_host, plan, layout, on_route=None, prefill_batch: int = 32,
                  max_context: int = 4096, use_graphs: bool = True, speculate: bool = False,
                  prefill_chunk: int = 512):
@@ -97,8 +110,10 @@ class GpuDecoder:
         self.prefill_chunk = prefill_chunk
         self.use_graphs = use_graphs
         self._graphs = None
+        self._events = None   # per MoE layer: (dense done, copies done), timing the H2D stall
         from engine.residency import VramResidency
         self.c = c
+        self.embed_on_host = embed_on_host(c)
         self.on_route = on_route
         self.cs = cuda.stream()
         self.xs = cuda.stream()
@@ -135,13 +150,28 @@ class GpuDecoder:
         self.logits_h = None
 
     def w(self, key: str, layer: int | None = None):
-        """Dense weight on the device (uploaded on first use; 1-D weights as float32)."""
+        """Dense weight on the device (uploaded on first use; 1-D weights as float32). q, k and v
+        are row ranges of one fused [Hq D + 2 Hkv D, H] matrix: one launch projects a decode token."""
+        if self.fuse_qkv and key in _QKV:
+            qkv = self.w("qkv", layer)
+            r0 = {"q": 0, "k": self.c.q_dim, "v": self.c.q_dim + self.c.kv_dim}[key]
+            return qkv[r0:r0 + (self.c.q_dim if key == "q" else self.c.kv_dim)]
         k = (key, layer)
         d = self._w.get(k)
         if d is None:
-            a = np.asarray(self._weight(key, layer))
+            if key == "qkv":
+                a = np.concatenate([np.asarray(self._weight(x, layer)) for x in _QKV])
+            else:
+                a = np.asarray(self._weight(key, layer))
             if a.ndim == 1 and a.dtype == np.uint16:
                 a = (a.astype(np.uint32) << 16).view(np.float32)
+            if key == "embed" and self.embed_on_host:
+                # a token reads one row: the table stays in mapped host memory, read over PCIe
+                # by the embed kernel, and its VRAM goes to hot experts
+                d = cuda.mapped_array(a.shape, a.dtype)
+                d[...] = a
+                self._w[k] = d
+                return d
             d = self._w[k] = cuda.to_device(np.ascontiguousarray(a), stream=self.cs)
         return d
 
@@ -155,8 +185,8 @@ class GpuDecoder:
     def new_state(self, max_context: int) -> GpuRunState:
         """Reuses the preallocated state when it is large enough (nothing allocated per request)."""
         if self.state is None or self.state.max_context < max_context:
-            self.state = GpuRunState(self.c, max(max_context, self.max_context))
-            self.one = Buffers(self.c, 1, self.state.max_context)
+            self.state = self.state_cls(self.c, max(max_context, self.max_context))
+            self.one = self.buffers_cls(self.c, 1, self.state.max_context)
             self.chunk = None
             self._graphs = None
         self.state.pos = 0
@@ -166,7 +196,7 @@ class GpuDecoder:
         if t == 1:
             return self.one
         if self.chunk is None or self.chunk.t < t:
-            self.chunk = Buffers(self.c, max(t, 16), self.state.max_context)
+            self.chunk = self.buffers_cls(self.c, max(t, 16), self.state.max_context)
         return self.chunk
 
     # ---- forward -------------------------------------------------------------------------------
@@ -321,6 +351,8 @@ class GpuDecoder:
         if self._graphs is None:
             self._capture(st)
         g = self._graphs
+        if self._events is None:
+            self._events = {l: (cuda.event(), cuda.event()) for l in c.moe_layers}
         b.tok_h[0], b.pos_h[0] = tid, st.pos
         if "token" in g:
             g["token"].launch(cs)
@@ -331,17 +363,23 @@ class GpuDecoder:
                     self.on_route(l, np.array(self.ids_all_h[l:l + 1]))
         else:
             g["embed"].launch(cs)
+            waits = []   # (dense done, copies done) events of layers that copied
             for l in range(c.n_layers):
                 g[("dense", l)].launch(cs)
                 if l not in c.moe_layers:
                     continue
-                cs.synchronize()
+                ev_dense, ev_copy = self._events[l]
+                ev_dense.record(cs)
+                ev_dense.synchronize()
                 ids = np.array(self.ids_all_h[l:l + 1])
                 if self.route_override is not None:
                     ids = self.route_override(l, ids)
                 if self.on_route is not None:
                     self.on_route(l, ids)
                 self.slots_h[l] = self.res.resolve(l, ids[0])
+                if self.res.copied:
+                    ev_copy.record(self.xs)
+                    waits.append((ev_dense, ev_copy))
                 g[("experts", l)].launch(cs)
                 nl = self.next_moe[l]
                 if self.speculate and nl is not None:
@@ -351,6 +389,9 @@ class GpuDecoder:
                     self.res.speculate(nl, pred, protect={(l, int(e)) for e in ids[0]})
             g["head"].launch(cs)
             cs.synchronize()
+            # the compute stream stood idle from the router's ids to the last copy of the layer
+            self.res.stats.h2d_wait_s += 1e-3 * sum(max(cuda.event_elapsed_time(a, b), 0.0)
+                                                   for a, b in waits)
         st.pos += 1
         return np.array(self.logits_h[:1])
 
@@ -362,9 +403,15 @@ class GpuDecoder:
         x, h = b.x[:t], b.h[:t]
         q, k, v = b.q[:t], b.k[:t], b.v[:t]
         gd.rmsnorm(x, self.w("attn_norm", l), c.rms_eps, h, cs)
-        self._linear(self.w("q", l), h, q)
-        self._linear(self.w("k", l), h, k)
-        self._linear(self.w("v", l), h, v)
+        if t == 1 and self.fuse_qkv:   # q, k, v of one token are consecutive ranges of b.qkv
+            self._linear(self.w("qkv", l), h, b.qkv.reshape(1, -1))
+            q = b.qkv[:c.q_dim].reshape(1, c.q_dim)
+            k = b.qkv[c.q_dim:c.q_dim + c.kv_dim].reshape(1, c.kv_dim)
+            v = b.qkv[c.q_dim + c.kv_dim:].reshape(1, c.kv_dim)
+        else:
+            self._linear(self.w("q", l), h, q)
+            self._linear(self.w("k", l), h, k)
+            self._linear(self.w("v", l), h, v)
         if c.attention_bias:
             gm.add_rows(q, self.w("q_bias", l), cs)
             gm.add_rows(k, self.w("k_bias", l), cs)
@@ -375,17 +422,16 @@ class GpuDecoder:
         if c.clip_qkv:
             for a in (q, k, v):
                 gm.clip(a.reshape(-1), c.clip_qkv, cs)
-        if c.qk_norm == "head":
-            gd.rmsnorm(q.reshape(t * c.n_heads, c.head_dim), self.w("q_norm", l), c.rms_eps,
-                       q.reshape(t * c.n_heads, c.head_dim), cs)
-            gd.rmsnorm(k.reshape(t * c.n_kv_heads, c.head_dim), self.w("k_norm", l), c.rms_eps,
-                       k.reshape(t * c.n_kv_heads, c.head_dim), cs)
         q3 = q.reshape(t, c.n_heads, c.head_dim)
         k3 = k.reshape(t, c.n_kv_heads, c.head_dim)
         v3 = v.reshape(t, c.n_kv_heads, c.head_dim)
         pos = b.pos[:t]
-        gd.rope(q3, pos, self.inv_freq, cs, c.rope.attention_factor)
-        gd.rope(k3, pos, self.inv_freq, cs, c.rope.attention_factor)
+        if c.qk_norm == "head":   # per-head norms and RoPE of q and k in one launch
+            gd.qk_norm_rope(q3, k3, self.w("q_norm", l), self.w("k_norm", l), c.rms_eps, pos,
+                            self.inv_freq, c.rope.attention_factor, cs)
+        else:
+            gd.rope(q3, pos, self.inv_freq, cs, c.rope.attention_factor)
+            gd.rope(k3, pos, self.inv_freq, cs, c.rope.attention_factor)
         gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
         ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,

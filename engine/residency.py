@@ -28,6 +28,8 @@ class VramStats:
     disk_reads: int = 0
     h2d_bytes: int = 0
     host_wait_s: float = 0.0   # time the decode thread spent getting blocks from the host tier
+    h2d_wait_s: float = 0.0    # decode: time the compute stream stood waiting for expert copies
+    issue_s: float = 0.0       # time the decode thread spent resolving slots and issuing copies
     spec_predicted: int = 0    # routed experts the speculative router had predicted
     spec_routed: int = 0       # routed experts in layers that had a prediction
     spec_copies: int = 0       # blocks copied to VRAM on a prediction
@@ -41,6 +43,32 @@ class VramStats:
                  disk_rate=self.disk_reads / n if n else 0.0,
                  spec_accuracy=self.spec_predicted / self.spec_routed if self.spec_routed else None)
         return d
+
+
+def _raw_h2d(bank, stream):
+    """copy(slot, host_block, nbytes) through cuMemcpyHtoDAsync, or None under the simulator.
+
+    numba's copy_to_device costs tens of microseconds of Python a call (a device-array slice, then
+    its checks); a decode token issues hundreds of block copies when streaming."""
+    from kernels_numba.gpu_util import SIM
+    if SIM:
+        return None
+    from cuda.bindings import driver
+
+    from engine.graphs import stream_handle
+    base = int(bank.__cuda_array_interface__["data"][0])
+    row = bank.shape[1]
+    h = stream_handle(stream)
+    ok = driver.CUresult.CUDA_SUCCESS
+
+    def copy(slot: int, block: np.ndarray, nbytes: int) -> None:
+        if not block.flags.c_contiguous:
+            block = np.ascontiguousarray(block)
+        (err,) = driver.cuMemcpyHtoDAsync(base + slot * row, block.ctypes.data, nbytes, h)
+        if err != ok:
+            raise ResidencyError(f"cuMemcpyHtoDAsync of {nbytes} bytes into VRAM slot {slot} "
+                                 f"failed: {err.name}")
+    return copy
 
 
 class VramResidency:
@@ -59,7 +87,9 @@ class VramResidency:
         self.lru: OrderedDict = OrderedDict()   # evictable keys, oldest first
         self.free = list(range(n_slots - 1, -1, -1))
         self.stats = VramStats()
+        self.copied = False
         self._evt = cuda.event()
+        self._copy = _raw_h2d(self.bank, copy_stream)
         self._spec: dict = {}       # layer -> (event, predicted keys, keys copied on the prediction)
 
     @property
@@ -94,7 +124,10 @@ class VramResidency:
             group = keys[i:j]
             for key, block in zip(group, self._host_blocks(layer, group)):
                 slot = self.free.pop() if self.free else self._evict(keep)
-                self.bank[slot].copy_to_device(block[:self.block_bytes], stream=self.xs)
+                if self._copy is not None:
+                    self._copy(slot, block, self.block_bytes)
+                else:
+                    self.bank[slot].copy_to_device(block[:self.block_bytes], stream=self.xs)
                 self.stats.h2d_bytes += self.block_bytes
                 self.slot_of[key] = slot
                 if hot:
@@ -148,7 +181,9 @@ class VramResidency:
         self._spec[layer] = (evt, set(keys), set(todo))
 
     def resolve(self, layer: int, experts, protect=(), after=None) -> list[int]:
-        """Slots of (layer, e) for e in experts, copying in what is not resident."""
+        """Slots of (layer, e) for e in experts, copying in what is not resident. Afterwards
+        `copied` says whether this call issued copies (the compute stream then waits for them)."""
+        t0 = time.perf_counter()
         keys = [(layer, int(e)) for e in experts]
         keep = set(protect) | set(keys)
         spec = self._spec.pop(layer, None)
@@ -174,6 +209,8 @@ class VramResidency:
             self._place(missing, hot=False, keep=keep)
             self._evt.record(self.xs)
             self._evt.wait(self.cs)
+        self.copied = bool(missing)
+        self.stats.issue_s += time.perf_counter() - t0
         return [self.slot_of[k] for k in keys]
 
     def _evict(self, keep) -> int:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
+from engine.affinity import pin_current_thread, plan_cores
 from engine.models import family_of
 from engine.names import expert_names, name
 from engine.tokenizer import StreamDecoder, load_tokenizer
@@ -61,7 +62,7 @@ class ArenaExperts:
     """Routed experts from a packed folder's arena, through the host-RAM cache (loader/cache.py)."""
 
     def __init__(self, folder: Path, manifest: dict, c, ram_gb: float | None, policy: str,
-                 reader_threads: int):
+                 reader_threads: int, reader_cores=None):
         from loader.arena import ArenaError, ArenaFile
         from loader.cache import ExpertCache
         from loader.reader import ReaderPool
@@ -78,7 +79,7 @@ class ArenaExperts:
             budget = min(arena_bytes, int(0.5 * _available_ram()))
         else:
             budget = int(ram_gb * 1e9)
-        self.reader = ReaderPool(self.arena.path, n_threads=reader_threads)
+        self.reader = ReaderPool(self.arena.path, n_threads=reader_threads, cores=reader_cores)
         self.cache = ExpertCache(self.arena, self.reader, budget, c.n_layers, c.n_experts, policy=policy)
         self.budget = budget
 
@@ -87,6 +88,14 @@ class ArenaExperts:
 
     def get(self, layer: int, expert: int) -> np.ndarray:
         return self.cache.get(layer, expert)
+
+    def get_many(self, layer: int, experts) -> list:
+        """A layer's blocks at once: the misses are read concurrently."""
+        return self.cache.get_many(layer, experts)
+
+    def prefetch(self, layer: int, experts) -> int:
+        """Start reads into RAM without waiting; they queue behind every demand read."""
+        return self.cache.prefetch(layer, experts)
 
     def contains(self, layer: int, expert: int) -> bool:
         return self.cache.contains(layer, expert)
@@ -127,8 +136,13 @@ class CheckpointBlocks:
 
 
 def _dense_keys(c):
-    """(engine key, layer) of every dense weight of a llama-like family."""
+    """(engine key, layer) of every dense weight the CUDA decoder uploads: the checkpoint's for a
+    llama-like family, the hybrid decoder's derived layouts for a hybrid one."""
+    from engine.models.hybrid import HybridConfig
     from engine.names import NAMES
+    if isinstance(c, HybridConfig):
+        from engine.gpu_hybrid import dense_keys
+        return dense_keys(c)
     keys = [("embed", None), ("final_norm", None)]
     if not c.tie_embeddings:
         keys.append(("lm_head", None))
@@ -173,7 +187,7 @@ def cuda_status() -> tuple[bool, str]:
         return False, f"CUDA unavailable ({type(e).__name__}: {e})"
 
 
-GPU_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+GPU_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def pick_device(device: str, family: str) -> str:
@@ -196,7 +210,11 @@ class Engine:
     def __init__(self, model: str | os.PathLike, device: str = "auto", max_context: int | None = None,
                  on_route: Callable | None = None, ram_gb: float | None = None,
                  cache_policy: str = "lru", reader_threads: int = 4, vram_gb: float | None = None,
-                 hot_from: str | None = None, prefill_batch: int = 32, speculate: bool = False):
+                 hot_from: str | None = None, prefill_batch: int = 32, speculate: bool = False,
+                 decode_core: int | str | None = "auto", reader_cores=None):
+        """decode_core: the core the generating thread is pinned to while it generates ('auto':
+        the last allowed core on cuda, unpinned on cpu; None or -1: unpinned); reader_cores: the
+        arena reader threads' cores (None: the allowed cores but the decode one). engine/affinity.py"""
         from kernels_numba.cpu import CpuOps
         self.ops = ops = CpuOps()
         ck = self.checkpoint = Checkpoint(model)
@@ -204,6 +222,7 @@ class Engine:
         fam = family_of(ck.config)
         self.config = c = fam.config
         self.device = pick_device(device, c.family)
+        self.cores = plan_cores(decode_core, reader_cores, self.device)
         for prefix, what in getattr(c, "ignored_parts", ()):   # e.g. a vision tower, MTP layers
             n = sum(1 for t in ck.tensors if t.startswith(prefix))
             if n:
@@ -215,8 +234,9 @@ class Engine:
         if self.packed:
             from engine.pack import load_manifest
             self.experts = ArenaExperts(ck.dir, load_manifest(ck.dir), c, ram_gb, cache_policy,
-                                        reader_threads)
+                                        reader_threads, self.cores.reader_mask)
         else:
+            self.cores = replace(self.cores, readers=None)   # no reader threads
             self.consumed |= ck.require(fam.expert_spec)
             self.experts = CheckpointExperts(ck, c.family, ops)
         self.max_context = int(max_context or min(c.max_position, 4096))
@@ -233,12 +253,14 @@ class Engine:
             self.eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
         self.generation_defaults = gen
         self.state = None
+        # compile the sampler now (a few seconds without numba's cache), not in the first token
+        self.ops.sample(np.zeros(4, np.float32), 1.0, 0, 0.9, 0.5)
 
     def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route, speculate):
-        """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py)."""
+        """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py)."""
         from numba import cuda
 
-        from engine.gpu import GpuDecoder, pick_prefill_chunk, run_state_bytes
+        from engine.models.hybrid import HybridConfig
         from engine.planner import plan
         from loader.layout import ExpertLayout
         c = self.config
@@ -256,17 +278,24 @@ class Engine:
                 vram_gb = 1.0
         vram = vram_gb
         ram = ram_gb if ram_gb is not None else getattr(self.experts, "budget", 0) / 1e9
-        dense_bytes = sum(np.asarray(w).nbytes for w in self._dense.values())
-        kv = 2 * c.n_layers * self.max_context * c.kv_dim * 4
-        chunk = pick_prefill_chunk(c, self.max_context, vram * 1e9)
-        run_state = run_state_bytes(c, chunk, self.max_context)
+        from engine.gpu import embed_on_host
+        dense_bytes = sum(np.asarray(w).nbytes for n, w in self._dense.items()
+                          if not (embed_on_host(c) and n == name(c.family, "embed")))
+        if isinstance(c, HybridConfig):   # DeltaNet + gated attention: engine/gpu_hybrid.py
+            from engine import gpu_hybrid as g
+            Decoder, kv = g.GpuHybridDecoder, g.state_bytes(c, self.max_context)
+        else:
+            from engine import gpu as g
+            Decoder, kv = g.GpuDecoder, 2 * c.n_layers * self.max_context * c.kv_dim * 4
+        chunk = g.pick_prefill_chunk(c, self.max_context, vram * 1e9)
+        run_state = g.run_state_bytes(c, chunk, self.max_context)
         total_experts = len(c.moe_layers) * c.n_experts
         self.plan = p = plan(vram_gb=vram, ram_gb=max(ram, 1e-9) if self.packed else 1e6,
                              dense_bytes=dense_bytes, kv_bytes=kv, run_state_bytes=run_state,
                              block_bytes=layout.block_bytes, top_k=c.top_k, total_experts=total_experts)
         print(p.describe(), file=sys.stderr)
-        dec = GpuDecoder(c, self._weight, host, p, layout, on_route, prefill_batch,
-                         max_context=self.max_context, speculate=speculate, prefill_chunk=chunk)
+        dec = Decoder(c, self._weight, host, p, layout, on_route, prefill_batch,
+                      max_context=self.max_context, speculate=speculate, prefill_chunk=chunk)
         dec.upload_all([(k, l) for k, l in _dense_keys(c)])
         if hot_from:
             from engine.profile import RoutingProfile
@@ -298,7 +327,22 @@ class Engine:
     # ---- generation ---------------------------------------------------------------------------
 
     def stream(self, prompt_ids, params: GenerationParams, stats: dict | None = None) -> Iterator[int]:
-        """Yields generated ids one at a time; fills stats (if given) as it goes."""
+        """Yields generated ids one at a time; fills stats (if given) as it goes. The thread that
+        iterates it is pinned to the decode core until the generator ends or is closed."""
+        stats = {} if stats is None else stats
+        stats["cores"] = self.cores.as_dict()
+        restore = pin_current_thread(self.cores.decode, self._start_cpu_threads)
+        try:
+            yield from self._stream(prompt_ids, params, stats)
+        finally:
+            restore()
+
+    def _start_cpu_threads(self) -> None:
+        # numba's worker threads inherit the mask of the thread that first runs a parallel kernel:
+        # start them while the decode thread is still unpinned, so they keep every core
+        self.ops.rmsnorm(np.ones((1, 1), np.float32), np.ones(1, np.float32), 1e-6)
+
+    def _stream(self, prompt_ids, params: GenerationParams, stats: dict) -> Iterator[int]:
         prompt_ids = [int(i) for i in prompt_ids]
         if not prompt_ids:
             raise ValueError("empty prompt: give at least one token")
@@ -312,7 +356,6 @@ class Engine:
         n_new = min(params.max_new_tokens, budget)
         stop = set(self.eos_ids if params.stop_ids is None else params.stop_ids)
         rng = np.random.default_rng(params.seed)
-        stats = {} if stats is None else stats
         st = self.state = self.model.new_state(len(prompt_ids) + n_new)
         t0 = time.perf_counter()
         logits = self.model.forward(np.asarray(prompt_ids, dtype=np.int64), st)
@@ -322,9 +365,12 @@ class Engine:
         stats["finish_reason"] = "length"
         c0 = self._counters()
         try:
+            ts = 0.0
             for i in range(n_new):
                 tid = self.ops.sample(np.asarray(logits[-1]), params.temperature, params.top_k,
                                       params.top_p, rng.random())
+                if i:   # a decode token's time: its forward pass + sampling from its logits
+                    stats["decode_s"] += time.perf_counter() - ts
                 yield tid
                 if tid in stop:
                     stats["finish_reason"] = "stop"
@@ -333,7 +379,6 @@ class Engine:
                     break
                 ts = time.perf_counter()
                 logits = self.model.forward(np.asarray([tid], dtype=np.int64), st)
-                stats["decode_s"] += time.perf_counter() - ts
                 stats["decode_tokens"] += 1
         finally:   # also when the caller stops early (a stop string, a client gone)
             self._finish_stats(stats, c0)
@@ -348,14 +393,20 @@ class Engine:
         stats["decode_per_token"] = {
             "disk_bytes": (c1["disk"] - c0["disk"]) / n, "h2d_bytes": (c1["h2d"] - c0["h2d"]) / n,
             "weight_bytes": self.weight_bytes_per_token(),
-            "wait_host_s": (c1["wait"] - c0["wait"]) / n,
-            "compute_s": max(stats["decode_s"] / n - (c1["wait"] - c0["wait"]) / n, 0.0)}
+            "wait_host_s": (c1["wait"] - c0["wait"]) / n}
+        # the decode thread fetches from the host tier while the GPU stands idle, so the stall
+        # seen on the GPU (router done -> copies done) contains that wait: split it off
+        pt = stats["decode_per_token"]
+        stall = (c1["stall"] - c0["stall"]) / n
+        pt["wait_h2d_s"] = max(stall - pt["wait_host_s"], 0.0)
+        pt["compute_s"] = max(stats["decode_s"] / n - pt["wait_host_s"] - pt["wait_h2d_s"], 0.0)
 
     def _counters(self) -> dict:
         ex = self.experts.stats()
         vr = self.gpu.res.stats if self.device == "cuda" else None
         return {"disk": ex.get("bytes_read", 0), "h2d": vr.h2d_bytes if vr else 0,
-                "wait": vr.host_wait_s if vr else ex.get("read_seconds", 0.0)}
+                "wait": vr.host_wait_s if vr else ex.get("read_seconds", 0.0),
+                "stall": vr.h2d_wait_s if vr else 0.0}
 
     def weight_bytes_per_token(self) -> int:
         """Weight bytes one decode token reads: the dense side (the embedding table only when it

@@ -748,6 +748,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     print(f"serving {name!r} (context {m.max_context}, device {m.device}) at http://{a.host}:{a.port}/v1",
           file=sys.stderr)
+    print(m.cores.describe(), file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level="info")
     return 0
 

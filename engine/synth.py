@@ -99,6 +99,24 @@ def random_block(fmt: str, lay: ExpertLayout, rng: np.random.Generator) -> np.nd
     return b
 
 
+def _vector_centres(c) -> dict:
+    """name -> the value a 1-D weight is drawn around (default 1.0, a norm's weight). The hybrid
+    families' RMSNorms are zero-centred (weight 1 + w), and their DeltaNet decay A_log sits near
+    log(8) (the reference draws exp(A_log) from 1..16), so the synthetic model keeps sane scales."""
+    from engine.models.hybrid import HybridConfig
+    from engine.names import name
+    if not isinstance(c, HybridConfig):
+        return {}
+    f = c.family
+    out = {name(f, "final_norm"): 0.0}
+    for l in range(c.n_layers):
+        keys = ("attn_norm", "mlp_norm") + (("q_norm", "k_norm") if l in c.full_layers else ())
+        out.update({name(f, k, l): 0.0 for k in keys})
+        if l in c.linear_layers:
+            out[name(f, "dn_A_log", l)] = float(np.log(8.0))
+    return out
+
+
 def default_tokenizer_dir() -> Path | None:
     here = Path(__file__).resolve().parents[1]
     for cand in (here / "shared" / "tokenizers" / "qwen2", here.parent / "shared" / "tokenizers" / "qwen2"):
@@ -126,9 +144,10 @@ def synth(preset: str, dst, experts: str = "nvfp4", force: bool = False, seed: i
     t0 = time.perf_counter()
     try:
         dense = {}
+        centre = _vector_centres(c)
         for n, shape in fam.dense_spec.items():
             if len(shape) == 1:
-                a = np.ones(shape, np.float32) + 0.05 * rng.standard_normal(shape, dtype=np.float32)
+                a = np.float32(centre.get(n, 1.0)) + 0.05 * rng.standard_normal(shape, dtype=np.float32)
                 dense[n] = (a.view(np.uint32) >> 16).astype(np.uint16)
             else:
                 dense[n] = random_bf16(rng, shape)

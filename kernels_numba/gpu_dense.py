@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, float64, int32, uint32, uint64
+from numba import cuda, float32, float64, uint32, uint64
 
 from .gpu_util import M32, SIM, WARP, block_sum, cdiv, int_as_float, warp_sum
 
-LIN_THREADS = 64 if SIM else 256    # linear: one warp per output row
-LIN_TT = 4                           # linear: tokens per pass over a weight row
-LIN_U = 4                            # linear: 8-byte loads in flight per lane
+LIN_THREADS = 64 if SIM else 256    # linear: 8 warps a block
+LIN_TT_MAX = 8                       # linear: tokens per pass over the weights (T <= 7 in one)
+LIN_LOADS = 8                        # linear: 8-byte weight loads in flight per lane (U * R)
+LIN_WARPS_MIN = 4 if SIM else 2560   # linear: warps wanted in flight (132 SMs x ~20)
+LIN_ROWS2 = 4 if SIM else 2048       # linear: matrices of this many rows take 2 rows a warp
+LIN_ROWS4 = 64 if SIM else 65536     # ... and of this many 4 (the LM head)
 NORM_THREADS = 64 if SIM else 128    # rmsnorm: one warp per row
 NORM_BLOCK = 64 if SIM else 512      # rmsnorm of long rows: one block per row
 NORM_BLOCK_MIN = 32 if SIM else 1024
@@ -60,50 +63,140 @@ def _elem_f32(w, n, k):
     return w[n, k]
 
 
-def _make_linear(cw, chunk):
+def _make_linear(cw, chunk, R, KS, U, TT):
+    """Matvec kernel for cw weights per 8-byte chunk (4 bf16 / 2 fp32).
+
+    A block of LIN_THREADS threads is NW = LIN_THREADS / 32 warps in NW / KS groups; a group owns
+    R consecutive output rows and its KS warps split the row's chunks (lane-interleaved, so
+    every load instruction of a warp reads 256 contiguous bytes). A lane issues U * R weight
+    loads before it computes, and each x chunk it loads (L1) serves R rows. The loads are
+    double-buffered: the next U * R are issued before the current ones are used, so a lane
+    keeps 2 * U * R loads in flight while it computes. Tokens go in passes of TT (one pass
+    for T <= TT)."""
+    NW = LIN_THREADS // WARP
+    NG = NW // KS
+    XW = cw // 2                       # uint64 words of x (float32 pairs) per weight chunk
+    STEP = WARP * KS
+    RT = R * TT                        # (array sizes must be plain constants for numba)
+    UR = U * R
+    XT = TT * cw
+
     @cuda.jit
-    def linear(w64, x, y):
-        """w64 uint64 [N, K / cw] (weights viewed 8 bytes at a time), x float32 [T, K]
-        -> y float32 [T, N]; grid cdiv(N, warps). A lane issues LIN_U loads before it computes."""
+    def linear(w64, x64, y):
+        """w64 uint64 [N, K / cw], x64 uint64 [T, K / 2] (float32 pairs) -> y float32 [T, N];
+        grid cdiv(N, NG * R)."""
         red = cuda.shared.array(LIN_THREADS, float32)
+        part = cuda.shared.array((NW, RT), float32)       # per-warp sums when KS > 1
         tid = cuda.threadIdx.x
         lane = tid % WARP
-        n0 = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + tid // WARP
+        warp = tid // WARP
+        grp = warp // KS
+        ks = warp - grp * KS
+        n0 = (cuda.blockIdx.x * NG + grp) * R
         N = w64.shape[0]
         nch = w64.shape[1]
-        T = x.shape[0]
-        n = min(n0, N - 1)
-        v = cuda.local.array(cw, float32)
-        acc = cuda.local.array(LIN_TT, float32)
-        wq = cuda.local.array(LIN_U, uint64)
-        for t0 in range(0, T, LIN_TT):
-            nt = min(LIN_TT, T - t0)
-            for q in range(LIN_TT):
-                acc[q] = float32(0.0)
-            for jb in range(lane, nch, WARP * LIN_U):
-                for u in range(LIN_U):
-                    wq[u] = w64[n, min(jb + u * WARP, nch - 1)]
-                for u in range(LIN_U):
-                    j = jb + u * WARP
+        T = x64.shape[0]
+        wq = cuda.local.array(UR, uint64)
+        wn = cuda.local.array(UR, uint64)
+        wv = cuda.local.array(cw, float32)
+        xv = cuda.local.array(XT, float32)
+        acc = cuda.local.array(RT, float32)
+        for t0 in range(0, T, TT):
+            nt = min(TT, T - t0)
+            for i in range(RT):
+                acc[i] = float32(0.0)
+            jb0 = ks * WARP + lane
+            for u in range(U):                             # the first U * R chunks
+                jj = min(jb0 + u * STEP, nch - 1)
+                for r in range(R):
+                    wn[u * R + r] = w64[min(n0 + r, N - 1), jj]
+            for jb in range(jb0, nch, STEP * U):
+                for i in range(UR):
+                    wq[i] = wn[i]
+                if jb + STEP * U < nch:                    # the next ones, in flight now
+                    for u in range(U):
+                        jj = min(jb + (U + u) * STEP, nch - 1)
+                        for r in range(R):
+                            wn[u * R + r] = w64[min(n0 + r, N - 1), jj]
+                for u in range(U):
+                    j = jb + u * STEP
                     if j < nch:
-                        chunk(wq[u], v)
-                        for q in range(LIN_TT):
+                        for q in range(TT):
                             if q < nt:
-                                s = float32(0.0)
-                                for c in range(cw):
-                                    s += v[c] * x[t0 + q, j * cw + c]
-                                acc[q] += s
-            for q in range(LIN_TT):
-                acc[q] = warp_sum(acc[q], red)
-            if lane == 0 and n0 < N:
-                for q in range(LIN_TT):
-                    if q < nt:
-                        y[t0 + q, n0] = acc[q]
+                                for h in range(XW):
+                                    xw = x64[t0 + q, j * XW + h]
+                                    xv[q * cw + 2 * h] = int_as_float(uint32(xw & M32))
+                                    xv[q * cw + 2 * h + 1] = int_as_float(uint32(xw >> 32))
+                        for r in range(R):
+                            chunk(wq[u * R + r], wv)
+                            for q in range(TT):
+                                if q < nt:
+                                    s = float32(0.0)
+                                    for c in range(cw):
+                                        s += wv[c] * xv[q * cw + c]
+                                    acc[r * TT + q] += s
+            for i in range(RT):
+                acc[i] = warp_sum(acc[i], red)
+            if KS > 1:
+                if lane == 0:
+                    for i in range(RT):
+                        part[warp, i] = acc[i]
+                cuda.syncthreads()
+                if lane == 0 and ks == 0:
+                    for i in range(RT):
+                        s = acc[i]
+                        for o in range(1, KS):
+                            s += part[warp + o, i]
+                        acc[i] = s
+                cuda.syncthreads()
+            if lane == 0 and ks == 0:
+                for r in range(R):
+                    if n0 + r < N:
+                        for q in range(TT):
+                            if q < nt:
+                                y[t0 + q, n0 + r] = acc[r * TT + q]
     return linear
 
 
-_linear_bf16 = _make_linear(4, _chunk_bf16)
-_linear_f32 = _make_linear(2, _chunk_f32)
+_LINEAR = {}
+
+
+def linear_kernel(kind: str, r: int, ks: int, u: int, tt: int):
+    """The compiled-on-first-launch matvec for (weight kind "bf16" / "f32", rows per warp group,
+    warps per row, chunks in flight per row, token tile)."""
+    key = (kind, r, ks, u, tt)
+    if key not in _LINEAR:
+        if (LIN_THREADS // WARP) % ks:
+            raise ValueError(f"linear: {ks} warps per row do not divide a {LIN_THREADS}-thread block")
+        cw, chunk = (4, _chunk_bf16) if kind == "bf16" else (2, _chunk_f32)
+        _LINEAR[key] = _make_linear(cw, chunk, r, ks, u, tt)
+    return _LINEAR[key]
+
+
+def linear_config(n: int, k: int, t: int, cw: int = 4) -> tuple[int, int, int]:
+    """Default (R rows per warp group, KS warps per row, U chunks in flight) for an [n, k] weight.
+
+    From the H200 sweep (tools/sweep_dense.py): the LM head (151936 rows) streams at copy speed
+    with 4 rows a warp; 2048-5120 rows want 2 rows a warp and, below LIN_WARPS_MIN warps, 2
+    warps a row (4096 x 2048, 2048 x 4096: (2, 2, 4)); small matrices (128, 768 rows) one row a
+    warp split over warps until LIN_WARPS_MIN warps ((1, 4, 4), (1, 8, 2))."""
+    r = 4 if n >= LIN_ROWS4 else 2 if n >= LIN_ROWS2 else 1
+    if t > 4:                          # a token tile of 8 -> 8 * R accumulators
+        r = min(r, 2)
+    ks = 1
+    ks_max = 2 if r > 1 else LIN_THREADS // WARP
+    while (ks < ks_max and cdiv(n, r) * ks < LIN_WARPS_MIN
+           and k // cw // (2 * ks) >= WARP * 2):
+        ks *= 2
+    u = max(1, min(LIN_LOADS // r, cdiv(k // cw, WARP * ks)))   # no more than a lane's chunks
+    return r, ks, u
+
+
+def _token_tile(t: int) -> int:
+    tt = 1
+    while tt < min(t, LIN_TT_MAX):
+        tt *= 2
+    return tt
 
 
 def _make_gemm(elem):
@@ -153,21 +246,26 @@ _gemm_bf16 = _make_gemm(_elem_bf16)
 _gemm_f32 = _make_gemm(_elem_f32)
 
 
-def linear(w, x, y, stream):
-    """y [T, N] = x [T, K] @ w [N, K]^T; w float32 or uint16 (bf16 bits), K a multiple of 4.
+def linear(w, x, y, stream, config=None):
+    """y [T, N] = x [T, K] @ w [N, K]^T; w float32 or uint16 (bf16 bits), K a multiple of 4
+    (bf16) or 2 (fp32); x C-contiguous rows.
 
-    Memory-bound matvec form (one warp per output row, tokens in passes of LIN_TT): for decode
-    and small T; use gemm() for prefill."""
+    Memory-bound matvec form for decode and small T (use gemm() for prefill). config: (R, KS,
+    U) to override linear_config()'s choice (benchmark sweeps)."""
     n, k = w.shape
+    t = x.shape[0]
     if w.dtype == np.uint16:
         if k % 4:
             raise ValueError(f"bf16 linear needs K % 4 == 0, got K={k}")
-        kern = _linear_bf16
+        kind, cw = "bf16", 4
     else:
         if k % 2:
             raise ValueError(f"fp32 linear needs K % 2 == 0, got K={k}")
-        kern = _linear_f32
-    kern[cdiv(n, LIN_THREADS // WARP), LIN_THREADS, stream](w.view(np.uint64), x, y)
+        kind, cw = "f32", 2
+    r, ks, u = config or linear_config(n, k, t, cw)
+    kern = linear_kernel(kind, r, ks, u, _token_tile(t))
+    kern[cdiv(n, (LIN_THREADS // WARP // ks) * r), LIN_THREADS, stream](
+        w.view(np.uint64), x.view(np.uint64), y)
 
 
 def gemm(w, x, y, stream):
@@ -293,3 +391,77 @@ def _add(a, b, out):
 def add(a, b, out, stream):
     """out [n] = a [n] + b [n] (1-D; out may be a or b). Pass .reshape(-1) views for 2-D."""
     _add[cdiv(out.shape[0], EW_THREADS), EW_THREADS, stream](a, b, out)
+
+
+# ---- fused per-head q/k RMSNorm + RoPE ---------------------------------------------------------
+
+QKR_WARPS = 2 if SIM else 4          # qk_norm_rope: heads a block (one warp each)
+QKR_MAX_D = 256
+QKR_DL = QKR_MAX_D // WARP           # head-dim values a lane holds
+
+
+@cuda.jit
+def _qk_norm_rope(q, k, wq, wk, eps, w_offset, positions, inv_freq, scaling):
+    """q [T, Hq, D], k [T, Hkv, D] in place; one warp a head, heads (t, 0..Hq-1) of q then
+    (t, 0..Hkv-1) of k for each t; grid cdiv(T * (Hq + Hkv), QKR_WARPS). A warp normalizes
+    its head (lanes over D, warp sum), parks the result in shared memory, then rotates pairs
+    (f, f + R/2) and copies the dims past R. Padding warps join the reductions and barrier."""
+    red = cuda.shared.array(QKR_WARPS * WARP, float32)
+    sh = cuda.shared.array((QKR_WARPS, QKR_MAX_D), float32)
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    nh = Hq + Hkv
+    lane = cuda.threadIdx.x % WARP
+    wid = cuda.threadIdx.x // WARP
+    g0 = cuda.blockIdx.x * QKR_WARPS + wid
+    live = g0 < T * nh
+    g = min(g0, T * nh - 1)
+    t = g // nh
+    h = g - t * nh
+    isq = h < Hq                       # uniform over the warp
+    x = q if isq else k
+    w = wq if isq else wk
+    hh = h if isq else h - Hq
+    r2 = inv_freq.shape[0]
+    v = cuda.local.array(QKR_DL, float32)
+    ss = float32(0.0)
+    for i in range(QKR_DL):
+        d = i * WARP + lane
+        a = float32(0.0)
+        if d < D:
+            a = x[t, hh, d]
+        v[i] = a
+        ss += a * a
+    ss = warp_sum(ss, red)
+    inv = float32(1.0) / math.sqrt(ss / float32(D) + eps)
+    for i in range(QKR_DL):
+        d = i * WARP + lane
+        if d < D:
+            sh[wid, d] = v[i] * inv * (w[d] + w_offset)
+    cuda.syncthreads()
+    if live:
+        pos = float64(positions[t])
+        for f in range(lane, r2, WARP):
+            ang = pos * float64(inv_freq[f])
+            c = float32(math.cos(ang) * scaling)
+            s = float32(math.sin(ang) * scaling)
+            a = sh[wid, f]
+            b = sh[wid, f + r2]
+            x[t, hh, f] = a * c - b * s
+            x[t, hh, f + r2] = b * c + a * s
+        for d in range(2 * r2 + lane, D, WARP):
+            x[t, hh, d] = sh[wid, d]
+
+
+def qk_norm_rope(q, k, wq, wk, eps, positions, inv_freq, scaling, stream, w_offset=0.0):
+    """Per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (weights wq, wk [D], each plus
+    w_offset), then RoPE as rope() does it (the first 2 * len(inv_freq) dims, cos / sin times
+    scaling), in place, in one launch: rmsnorm(q), rmsnorm(k), rope(q), rope(k) fused."""
+    t, hq, d = q.shape
+    if d > QKR_MAX_D or k.shape[2] != d or k.shape[0] != t:
+        raise ValueError(f"qk_norm_rope: q {q.shape}, k {k.shape} (head dim <= {QKR_MAX_D})")
+    if 2 * inv_freq.shape[0] > d:
+        raise ValueError(f"qk_norm_rope: {inv_freq.shape[0]} frequencies exceed head dim {d}")
+    heads = t * (hq + k.shape[1])
+    _qk_norm_rope[cdiv(heads, QKR_WARPS), QKR_WARPS * WARP, stream](
+        q, k, wq, wk, float32(eps), float32(w_offset), positions, inv_freq, float64(scaling))

@@ -11,7 +11,9 @@ uint8 [S, B] for NVFP4 scales, float32 [S, B/4] for the header's global scales a
 The layout arrives as int64 [10] from ExpertLayout.as_array().
 
 Decode (one token, graph friendly): `slots` int32 [K] and `weights` float32 [K] are device
-arrays, so one captured launch pair serves any routing; only their contents change.
+arrays, so one captured launch pair serves any routing; only their contents change. Two kernel
+families, chosen by `variant` (DEFAULT_VARIANT per format; see parse_variant): the "flat" kernels
+(many small blocks, all loads of a thread in flight, see the section below) and the legacy ones:
     gate_up: grid (cdiv(I, 2 * warps), K): a warp owns two rows of gate and up of one expert,
              lanes split the row in 8-byte chunks, x staged in shared memory (padded so lanes
              read distinct banks), warp-shuffle reduction -> act [K, I] = silu(g) * u
@@ -24,11 +26,13 @@ combine -> out [T, H] = sum over a token's K assignments (no atomics).
 """
 from __future__ import annotations
 
-import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+import re
 
-from .gpu_util import (E2M1_TABLE, E4M3_TABLE, M32, SIM, WARP, cdiv, int_as_float, silu,
-                       warp_sum)
+import numpy as np
+from numba import cuda, float32, int32, typeof, uint32, uint64
+
+from .gpu_util import (E2M1_TABLE, E4M3_TABLE, FULL_MASK, M32, SIM, WARP, cdiv, int_as_float,
+                       silu, warp_sum)
 
 FORMAT_CODE = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 CHUNK = {"bf16": 4, "fp8": 8, "nvfp4": 16}   # values in one 8-byte load
@@ -512,6 +516,556 @@ def _make_kernels(fmt: str, min_blocks: int = 0, unroll: int = 0):
     return gate_up, down, grouped_gate_up, grouped_down
 
 
+# ---- decode kernels, "flat" family: many small blocks, every load of a thread issued first ------
+#
+# gate_up: block (rows r0..r0+GR-1 of gate and up, expert k); grid (cdiv(I, GR), K). Its threads
+#     split the Hs / CW chunks of those 2 * GR rows (GJ chunks a thread, all 2 * GR * GJ 8-byte
+#     loads issued before any decode), hold their x chunks in registers (read through L1, no
+#     staging), reduce the 2 * GR sums over the block -> act[k, r] = silu(g) * u.
+# down: block (rows r0..r0+DR-1 of out); grid cdiv(H, DR). Its threads split the K * Is / CW
+#     chunks of all K experts' rows (DJ a thread), read act through L1, reduce the DR sums over
+#     the block: deterministic, no atomics, out written once (+= when accumulate).
+# Decode "tab": E2M1 by a 16-entry shared table; "arith": by integer ops only, values left
+# scaled by 2^-126 (E2M1) / 2^-120 (E4M3): x / act are pre-scaled by 2^64 in registers and the
+# sums scaled back once, so no product falls into the subnormal range; "mix": low 32 bits of a
+# chunk by table (holding values * 2^-126), high 32 bits by integer ops (splits the work between
+# the shared-memory and integer pipes).
+# Thread counts come from the shapes (threads = chunks / J, rounded up to a warp) and every
+# thread runs the same number of loop trips, so barriers and the simulator's reductions are safe.
+
+_X01C00000 = np.uint32(0x01C00000)
+_X07F00000 = np.uint32(0x07F00000)
+TWO_POW_64 = float32(2.0 ** 64)
+RED = 256 if SIM else 1          # scratch of the simulator's warp reduction (unused on the GPU)
+MAX_WARPS = 32
+
+
+@cuda.jit(device=True, inline=True)
+def _nib(w, a, b):
+    """One E2M1 nibble of w as float32 value * 2^-126: sign bit moved to 31 by << a, the three
+    magnitude bits to 24..22 by << b (exponent 0 = subnormal, exact)."""
+    return int_as_float(((w << a) & _X80000000) | ((w << b) & _X01C00000))
+
+
+@cuda.jit(device=True, inline=True)
+def _e2m1_word_s(w, v, o):
+    """8 nibbles of uint32 w -> v[o:o+8] = E2M1 * 2^-126."""
+    v[o + 0] = _nib(w, _S28, _S22)
+    v[o + 1] = _nib(w, _S24, _S18)
+    v[o + 2] = _nib(w, _S20, _S14)
+    v[o + 3] = _nib(w, _S16, _S10)
+    v[o + 4] = _nib(w, _S12, _S6)
+    v[o + 5] = _nib(w, _S8, _S2)
+    v[o + 6] = int_as_float(((w << _S4) & _X80000000) | ((w >> _S2) & _X01C00000))
+    v[o + 7] = int_as_float((w & _X80000000) | ((w >> _S6) & _X01C00000))
+
+
+@cuda.jit(device=True, inline=True)
+def _e2m1_word_tab(w, tab, v, o):
+    v[o + 0] = tab[w & _F15]
+    v[o + 1] = tab[(w >> _S4) & _F15]
+    v[o + 2] = tab[(w >> _S8) & _F15]
+    v[o + 3] = tab[(w >> _S12) & _F15]
+    v[o + 4] = tab[(w >> _S16) & _F15]
+    v[o + 5] = tab[(w >> _S20) & _F15]
+    v[o + 6] = tab[(w >> _S24) & _F15]
+    v[o + 7] = tab[w >> _S28]
+
+
+@cuda.jit(device=True, inline=True)
+def _fdec_nvfp4_tab(w, tab, v):
+    _e2m1_word_tab(uint32(w & M32), tab, v, 0)
+    _e2m1_word_tab(uint32(w >> 32), tab, v, 8)
+
+
+@cuda.jit(device=True, inline=True)
+def _fdec_nvfp4_arith(w, tab, v):
+    _e2m1_word_s(uint32(w & M32), v, 0)
+    _e2m1_word_s(uint32(w >> 32), v, 8)
+
+
+@cuda.jit(device=True, inline=True)
+def _fdec_nvfp4_mix(w, tab, v):
+    _e2m1_word_tab(uint32(w & M32), tab, v, 0)     # tab holds E2M1 * 2^-126 here
+    _e2m1_word_s(uint32(w >> 32), v, 8)
+
+
+@cuda.jit(device=True, inline=True)
+def _e4m3_s(w, a, b):
+    """One E4M3 byte of uint32 w as float32 value * 2^-120 (sign << a to bit 31, the 7 other
+    bits << b to 26..20)."""
+    return int_as_float(((w << a) & _X80000000) | ((w << b) & _X07F00000))
+
+
+@cuda.jit(device=True, inline=True)
+def _e4m3_word_s(w, v, o):
+    v[o + 0] = _e4m3_s(w, _S24, _S20)
+    v[o + 1] = _e4m3_s(w, _S16, _S12)
+    v[o + 2] = _e4m3_s(w, _S8, _S4)
+    v[o + 3] = int_as_float((w & _X80000000) | ((w >> _S4) & _X07F00000))
+
+
+@cuda.jit(device=True, inline=True)
+def _fdec_fp8_arith(w, tab, v):
+    _e4m3_word_s(uint32(w & M32), v, 0)
+    _e4m3_word_s(uint32(w >> 32), v, 4)
+
+
+@cuda.jit(device=True, inline=True)
+def _fdec_bf16(w, tab, v):
+    _dec_bf16(w, tab, v)
+
+
+@cuda.jit(device=True, inline=True)
+def _fcs_nvfp4(bank8, slot, soff, r, nch, j):
+    return _e4m3(uint32(bank8[slot, soff + r * nch + j]))
+
+
+@cuda.jit(device=True, inline=True)
+def _fcs_one(bank8, slot, soff, r, nch, j):
+    return float32(1.0)
+
+
+# (format, decode) -> (chunk decoder, 2^k the decoded values are scaled down by, table scale)
+_FLAT_DEC = {
+    ("nvfp4", "tab"): (_fdec_nvfp4_tab, 0, 1.0),
+    ("nvfp4", "arith"): (_fdec_nvfp4_arith, 126, 1.0),
+    ("nvfp4", "mix"): (_fdec_nvfp4_mix, 126, 2.0 ** -126),
+    ("fp8", "arith"): (_fdec_fp8_arith, 120, 1.0),
+    ("bf16", "arith"): (_fdec_bf16, 0, 1.0),
+}
+
+
+def _make_reduce(NV: int):
+    """Device function: sums of acc[0:NV] over each warp -> part[warp * NV + q], then a barrier.
+    Called by every thread of the block."""
+    LOG = NV.bit_length() - 1
+    if SIM:
+        @cuda.jit(device=True, inline=True)
+        def reduce_block(acc, red, part):
+            tid = cuda.threadIdx.x
+            for q in range(NV):
+                s = warp_sum(acc[q], red)
+                if tid % WARP == 0:
+                    part[(tid // WARP) * NV + q] = s
+            cuda.syncthreads()
+        return reduce_block
+
+    PER = WARP // NV
+
+    @cuda.jit(device=True, inline=True)
+    def reduce_block(acc, red, part):
+        """Transposed butterfly: NV - 1 + 5 - log2(NV) shuffles instead of 5 * NV; lane l ends
+        with the warp's sum of value l // (32 / NV)."""
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        for st in range(LOG):
+            off = 16 >> st
+            half = NV >> (st + 1)
+            up = (lane & off) != 0
+            for i in range(half):
+                a = acc[i]
+                b = acc[i + half]
+                keep = b if up else a
+                send = a if up else b
+                acc[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
+        s = acc[0]
+        for st in range(LOG, 5):
+            s += cuda.shfl_xor_sync(FULL_MASK, s, 16 >> st)
+        if lane % PER == 0:
+            part[(tid // WARP) * NV + lane // PER] = s
+        cuda.syncthreads()
+    return reduce_block
+
+
+def _make_flat(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
+    """(gate_up, down) of the flat family for one format / decode / (rows, chunks) setting."""
+    CW = CHUNK[fmt]
+    decode, shift, tab_scale = _FLAT_DEC[(fmt, dec)]
+    XS = float32(2.0 ** 64) if shift else float32(1.0)       # pre-scale of x / act
+    POST = float32(2.0 ** (shift - 64)) if shift else float32(1.0)
+    TS = float32(tab_scale)
+    USE_TAB = dec in ("tab", "mix")
+    NG = 2 * GR
+    # array sizes must be constants in the closure (numba does not fold products of them)
+    PG, PD = MAX_WARPS * NG, MAX_WARPS * DR
+    WG, WD = GJ * NG, DJ * DR
+    XG, XD = GJ * CW, DJ * CW
+    KJ = 2 * DJ
+    chunk_scale = _fcs_nvfp4 if fmt == "nvfp4" else _fcs_one
+    row_scale = _rs_fp8 if fmt == "fp8" else _rs_one
+    for n in (NG, DR):
+        if n & (n - 1) or n > WARP:
+            raise ValueError(f"rows per block must be a power of two up to 16; got {n}")
+
+    @cuda.jit(device=True, inline=True)
+    def fill_tab(tab):
+        if USE_TAB:
+            e2 = cuda.const.array_like(E2M1_TABLE)
+            if cuda.threadIdx.x < 16:
+                tab[cuda.threadIdx.x] = e2[cuda.threadIdx.x] * TS
+        cuda.syncthreads()
+
+    reduce_g = _make_reduce(NG)
+    reduce_d = _make_reduce(DR)
+
+    @cuda.jit(device=True, inline=True)
+    def dot(v, xv, base):
+        d = float32(0.0)
+        for t in range(CW):
+            d += v[t] * xv[base + t]
+        return d
+
+    @cuda.jit
+    def gate_up(bank64, bank8, bankf, lay, slots, x, act):
+        """x float32 [H] -> act float32 [K, I]; grid (cdiv(I, GR), K), threads ~ nch / GJ."""
+        tab = cuda.shared.array(16, float32)
+        red = cuda.shared.array(RED, float32)
+        part = cuda.shared.array(PG, float32)
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        kk = cuda.blockIdx.y
+        slot = slots[kk]
+        H = lay[6]
+        I = lay[7]
+        nch = lay[8] // CW
+        r0 = cuda.blockIdx.x * GR
+        gq = lay[0] // 8
+        uq = lay[2] // 8
+        fill_tab(tab)
+        acc = cuda.local.array(NG, float32)
+        for q in range(NG):
+            acc[q] = float32(0.0)
+        wq = cuda.local.array(WG, uint64)
+        sq = cuda.local.array(WG, float32)
+        xv = cuda.local.array(XG, float32)
+        v = cuda.local.array(CW, float32)
+        for j0 in range(0, nch, nt * GJ):
+            for u in range(GJ):                       # every weight load first ...
+                j = min(j0 + tid + u * nt, nch - 1)
+                for q in range(GR):
+                    r = min(r0 + q, I - 1)
+                    wq[u * NG + 2 * q] = bank64[slot, gq + r * nch + j]
+                    wq[u * NG + 2 * q + 1] = bank64[slot, uq + r * nch + j]
+                    sq[u * NG + 2 * q] = chunk_scale(bank8, slot, lay[1], r, nch, j)
+                    sq[u * NG + 2 * q + 1] = chunk_scale(bank8, slot, lay[3], r, nch, j)
+            for u in range(GJ):                       # ... then x (L1 hits after the first block)
+                j = j0 + tid + u * nt
+                for t in range(CW):
+                    e = j * CW + t
+                    xv[u * CW + t] = x[min(e, H - 1)] * (XS if e < H else float32(0.0))
+            for u in range(GJ):
+                if j0 + tid + u * nt < nch:
+                    for q in range(NG):
+                        decode(wq[u * NG + q], tab, v)
+                        acc[q] += sq[u * NG + q] * dot(v, xv, u * CW)
+        reduce_g(acc, red, part)
+        if tid < GR:
+            r = r0 + tid
+            if r < I:
+                g = float32(0.0)
+                uu = float32(0.0)
+                for w in range(nt // WARP):
+                    g += part[w * NG + 2 * tid]
+                    uu += part[w * NG + 2 * tid + 1]
+                g *= POST * bankf[slot, 0] * row_scale(bankf, slot, lay[1], r)
+                uu *= POST * bankf[slot, 1] * row_scale(bankf, slot, lay[3], r)
+                act[kk, r] = silu(g) * uu
+
+    @cuda.jit
+    def down(bank64, bank8, bankf, lay, slots, weights, act, out, accumulate):
+        """act float32 [K, I] -> out float32 [H] (+= when accumulate); grid cdiv(H, DR)."""
+        tab = cuda.shared.array(16, float32)
+        red = cuda.shared.array(RED, float32)
+        part = cuda.shared.array(PD, float32)
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        K = slots.shape[0]
+        H = lay[6]
+        I = lay[7]
+        nch = lay[9] // CW
+        total = K * nch
+        r0 = cuda.blockIdx.x * DR
+        dq = lay[4] // 8
+        fill_tab(tab)
+        acc = cuda.local.array(DR, float32)
+        for q in range(DR):
+            acc[q] = float32(0.0)
+        wq = cuda.local.array(WD, uint64)
+        sq = cuda.local.array(WD, float32)
+        av = cuda.local.array(XD, float32)
+        kj = cuda.local.array(KJ, int32)               # (expert, chunk) of each of the DJ chunks
+        v = cuda.local.array(CW, float32)
+        for c0 in range(0, total, nt * DJ):
+            for u in range(DJ):                       # every weight load first ...
+                c = min(c0 + tid + u * nt, total - 1)
+                k2 = c // nch
+                j = c - k2 * nch
+                kj[2 * u] = k2
+                kj[2 * u + 1] = j
+                slot = slots[k2]
+                kw = weights[k2] * bankf[slot, 2]
+                for q in range(DR):
+                    r = min(r0 + q, H - 1)
+                    wq[u * DR + q] = bank64[slot, dq + r * nch + j]
+                    sq[u * DR + q] = kw * chunk_scale(bank8, slot, lay[5], r, nch, j) * \
+                        row_scale(bankf, slot, lay[5], r)
+            for u in range(DJ):                       # ... then the activations
+                k2 = kj[2 * u]
+                j = kj[2 * u + 1]
+                for t in range(CW):
+                    i = j * CW + t
+                    av[u * CW + t] = act[k2, min(i, I - 1)] * (XS if i < I else float32(0.0))
+            for u in range(DJ):
+                if c0 + tid + u * nt < total:
+                    for q in range(DR):
+                        decode(wq[u * DR + q], tab, v)
+                        acc[q] += sq[u * DR + q] * dot(v, av, u * CW)
+        reduce_d(acc, red, part)
+        if tid < DR:
+            r = r0 + tid
+            if r < H:
+                s = float32(0.0)
+                for w in range(nt // WARP):
+                    s += part[w * DR + tid]
+                s *= POST
+                out[r] = s + (out[r] if accumulate else float32(0.0))
+
+    return gate_up, down
+
+
+# ---- decode kernels, "pipelined" family (decode ptab / parith / pmix): persistent blocks --------
+#
+# Why (H200 sweep of the flat kernels): gate_up took 16-19 us for the 25 M weights of a 30B layer
+# in all three formats (12.6, 25 and 50 MB), so it is bound by the work per weight and by its
+# structure, not by bytes: every flat block loads once, then decodes, then exits, so an SM's
+# blocks all wait on memory together and then all compute together (time = latency + compute,
+# not max), 768 blocks over 132 SMs x 5 resident make 1.16 waves (a second, almost empty wave
+# of the same length), and down (154 registers, 2 blocks an SM, 512 blocks = 2 waves) repeats
+# the slot -> weight -> bank load chain and re-reads all of act (24 KB) in every block.
+# Here a grid of (SMs x b) blocks walks over work items (gate_up: GR rows of one expert; down:
+# DR output rows over all experts) with a register double buffer: the raw 8-byte chunks and
+# scale bytes of item n + 1 are issued before item n is decoded, so each warp keeps
+# GR * 2 * GJ * 8 (gate_up) / DR * DJ * 8 (down) bytes in flight while it computes (>= 30 KB an SM
+# at 3 blocks of 128 threads). A thread owns fixed chunks of the row (one pass: threads * J
+# covers the row, else the launcher uses the flat kernel), so its x chunk (gate_up) or its
+# (expert, chunk) slot, routing weight and act values (down) are loaded once per kernel, not
+# per item; b is chosen so the items spread evenly over the SMs (no second partial wave).
+# Index math stays 32-bit; scale bytes are decoded only when used (not at prefetch).
+
+
+def _make_pipe(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
+    """(gate_up, down) of the pipelined family; dec is the flat decode name ("tab", ...)."""
+    CW = CHUNK[fmt]
+    decode, shift, tab_scale = _FLAT_DEC[(fmt, dec)]
+    XS = float32(2.0 ** 64) if shift else float32(1.0)
+    POST = float32(2.0 ** (shift - 64)) if shift else float32(1.0)
+    TS = float32(tab_scale)
+    USE_TAB = dec in ("tab", "mix")
+    NVF = fmt == "nvfp4"
+    FP8 = fmt == "fp8"
+    NG = 2 * GR
+    PG, PD = 2 * MAX_WARPS * NG, 2 * MAX_WARPS * DR     # double-buffered partial sums
+    WG, WD = GJ * NG, DJ * DR
+    XG, XD = GJ * CW, DJ * CW
+    for n in (NG, DR):
+        if n & (n - 1) or n > WARP:
+            raise ValueError(f"rows per block must be a power of two up to 16; got {n}")
+
+    @cuda.jit(device=True, inline=True)
+    def fill_tab(tab):
+        if USE_TAB:
+            e2 = cuda.const.array_like(E2M1_TABLE)
+            if cuda.threadIdx.x < 16:
+                tab[cuda.threadIdx.x] = e2[cuda.threadIdx.x] * TS
+        cuda.syncthreads()
+
+    reduce_g = _make_reduce(NG)
+    reduce_d = _make_reduce(DR)
+
+    @cuda.jit(device=True, inline=True)
+    def dot(v, xv, base):
+        d = float32(0.0)
+        for t in range(CW):
+            d += v[t] * xv[base + t]
+        return d
+
+    @cuda.jit(device=True, inline=True)
+    def cscale(raw):
+        if NVF:
+            return _e4m3(raw)
+        return float32(1.0)
+
+    @cuda.jit(device=True, inline=True)
+    def load_gu(bank64, bank8, lay, slots, it, nrg, I, nch, wq, sb):
+        k = it // nrg
+        r0 = (it - k * nrg) * GR
+        slot = slots[k]
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        gq = lay[0] // 8
+        uq = lay[2] // 8
+        for u in range(GJ):
+            j = min(tid + u * nt, nch - 1)
+            for q in range(GR):
+                r = min(r0 + q, I - 1)
+                wq[u * NG + 2 * q] = bank64[slot, gq + r * nch + j]
+                wq[u * NG + 2 * q + 1] = bank64[slot, uq + r * nch + j]
+                if NVF:                               # raw bytes: decoded when used
+                    sb[u * NG + 2 * q] = uint32(bank8[slot, lay[1] + r * nch + j])
+                    sb[u * NG + 2 * q + 1] = uint32(bank8[slot, lay[3] + r * nch + j])
+
+    @cuda.jit
+    def gate_up(bank64, bank8, bankf, lay, slots, x, act):
+        """x float32 [H] -> act float32 [K, I]; grid (blocks,), threads * GJ >= Hs / CW."""
+        tab = cuda.shared.array(16, float32)
+        red = cuda.shared.array(RED, float32)
+        part = cuda.shared.array(PG, float32)
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        K = slots.shape[0]
+        H = int32(lay[6])
+        I = int32(lay[7])
+        nch = int32(lay[8] // CW)
+        nrg = (I + int32(GR - 1)) // int32(GR)
+        items = nrg * int32(K)
+        fill_tab(tab)
+        xv = cuda.local.array(XG, float32)           # this thread's x chunks, for every item
+        for u in range(GJ):
+            j = tid + u * nt
+            for t in range(CW):
+                e = j * CW + t
+                xv[u * CW + t] = x[min(e, H - 1)] * (XS if e < H else float32(0.0))
+        acc = cuda.local.array(NG, float32)
+        wq = cuda.local.array(WG, uint64)            # in flight: the next item
+        sb = cuda.local.array(WG, uint32)
+        wc = cuda.local.array(WG, uint64)            # being decoded: this item
+        sc = cuda.local.array(WG, uint32)
+        v = cuda.local.array(CW, float32)
+        it = int32(cuda.blockIdx.x)
+        step = int32(cuda.gridDim.x)
+        load_gu(bank64, bank8, lay, slots, min(it, items - 1), nrg, I, nch, wq, sb)
+        buf = 0
+        while it < items:                             # uniform over the block
+            for q in range(WG):
+                wc[q] = wq[q]
+                sc[q] = sb[q]
+            nx = it + step
+            if nx < items:
+                load_gu(bank64, bank8, lay, slots, nx, nrg, I, nch, wq, sb)
+            for q in range(NG):
+                acc[q] = float32(0.0)
+            for u in range(GJ):
+                if tid + u * nt < nch:
+                    for q in range(NG):
+                        decode(wc[u * NG + q], tab, v)
+                        acc[q] += cscale(sc[u * NG + q]) * dot(v, xv, u * CW)
+            reduce_g(acc, red, part[buf * MAX_WARPS * NG:])
+            k = it // nrg
+            r = (it - k * nrg) * GR + tid
+            if tid < GR and r < I:
+                slot = slots[k]
+                g = float32(0.0)
+                uu = float32(0.0)
+                for w in range(nt // WARP):
+                    g += part[buf * MAX_WARPS * NG + w * NG + 2 * tid]
+                    uu += part[buf * MAX_WARPS * NG + w * NG + 2 * tid + 1]
+                g *= POST * bankf[slot, 0] * (_rs_fp8(bankf, slot, lay[1], r) if FP8 else
+                                               float32(1.0))
+                uu *= POST * bankf[slot, 1] * (_rs_fp8(bankf, slot, lay[3], r) if FP8 else
+                                                float32(1.0))
+                act[k, r] = silu(g) * uu
+            buf = 1 - buf
+            it = nx
+
+    @cuda.jit(device=True, inline=True)
+    def load_dn(bank64, bank8, bankf, lay, r0, H, nch, sl, jj, wq, sb, rq):
+        dq = lay[4] // 8
+        for u in range(DJ):
+            slot = sl[u]
+            j = jj[u]
+            for q in range(DR):
+                r = min(r0 + q, H - 1)
+                wq[u * DR + q] = bank64[slot, dq + r * nch + j]
+                if NVF:
+                    sb[u * DR + q] = uint32(bank8[slot, lay[5] + r * nch + j])
+                if FP8:
+                    rq[u * DR + q] = _rs_fp8(bankf, slot, lay[5], r)
+
+    @cuda.jit
+    def down(bank64, bank8, bankf, lay, slots, weights, act, out, accumulate):
+        """act float32 [K, I] -> out float32 [H] (+= when accumulate); grid (blocks,),
+        threads * DJ >= K * Is / CW."""
+        tab = cuda.shared.array(16, float32)
+        red = cuda.shared.array(RED, float32)
+        part = cuda.shared.array(PD, float32)
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        K = int32(slots.shape[0])
+        H = int32(lay[6])
+        I = int32(lay[7])
+        nch = int32(lay[9] // CW)
+        total = K * nch
+        items = (H + int32(DR - 1)) // int32(DR)
+        fill_tab(tab)
+        sl = cuda.local.array(DJ, int32)              # this thread's (slot, chunk, weight, act)
+        jj = cuda.local.array(DJ, int32)
+        kw = cuda.local.array(DJ, float32)
+        av = cuda.local.array(XD, float32)
+        for u in range(DJ):
+            c0 = tid + u * nt
+            c = min(c0, total - 1)
+            k2 = c // nch
+            j = c - k2 * nch
+            slot = slots[k2]
+            sl[u] = slot
+            jj[u] = j
+            kw[u] = weights[k2] * bankf[slot, 2] * (POST if c0 < total else float32(0.0))
+            for t in range(CW):
+                i = j * CW + t
+                av[u * CW + t] = act[k2, min(i, I - 1)] * (XS if i < I else float32(0.0))
+        acc = cuda.local.array(DR, float32)
+        wq = cuda.local.array(WD, uint64)
+        sb = cuda.local.array(WD, uint32)
+        rq = cuda.local.array(WD, float32)
+        wc = cuda.local.array(WD, uint64)
+        sc = cuda.local.array(WD, uint32)
+        rc = cuda.local.array(WD, float32)
+        v = cuda.local.array(CW, float32)
+        it = int32(cuda.blockIdx.x)
+        step = int32(cuda.gridDim.x)
+        load_dn(bank64, bank8, bankf, lay, min(it, items - 1) * DR, H, nch, sl, jj, wq, sb, rq)
+        buf = 0
+        while it < items:
+            for q in range(WD):
+                wc[q] = wq[q]
+                sc[q] = sb[q]
+                rc[q] = rq[q]
+            nx = it + step
+            if nx < items:
+                load_dn(bank64, bank8, bankf, lay, nx * DR, H, nch, sl, jj, wq, sb, rq)
+            for q in range(DR):
+                acc[q] = float32(0.0)
+            for u in range(DJ):
+                for q in range(DR):
+                    decode(wc[u * DR + q], tab, v)
+                    s = kw[u] * cscale(sc[u * DR + q])
+                    if FP8:
+                        s *= rc[u * DR + q]
+                    acc[q] += s * dot(v, av, u * CW)
+            reduce_d(acc, red, part[buf * MAX_WARPS * DR:])
+            r = it * DR + tid
+            if tid < DR and r < H:
+                o = float32(0.0)
+                for w in range(nt // WARP):
+                    o += part[buf * MAX_WARPS * DR + w * DR + tid]
+                out[r] = o + (out[r] if accumulate else float32(0.0))
+            buf = 1 - buf
+            it = nx
+
+    return gate_up, down
+
+
 @cuda.jit
 def combine_kernel(y, pos, out, accumulate):
     """y float32 [A, H], pos int32 [T, K] (row of y for each token's k-th expert) -> out [T, H]."""
@@ -557,7 +1111,7 @@ def check_layout(fmt: str, lay_host: np.ndarray, k: int) -> None:
         raise ValueError("expert block sections must be 8-byte aligned")
     if k > MAX_K:
         raise ValueError(f"top-k {k} exceeds MAX_K={MAX_K}")
-    if down_shared_bytes(fmt, lay_host, k) > SHARED_LIMIT - 2048:
+    if parse_variant(fmt, "") is None and down_shared_bytes(fmt, lay_host, k) > SHARED_LIMIT - 2048:
         raise ValueError(f"{fmt} down kernel: K*I = {k}*{i} does not fit in shared memory")
 
 
@@ -579,12 +1133,120 @@ def down_grid(lay_host: np.ndarray, threads: int = THREADS) -> int:
     return cdiv(int(lay_host[6]), ROWS_PER_WARP * threads // WARP)
 
 
+# ---- decode variants --------------------------------------------------------------------------
+# A variant name is "legacy" (the staged kernels above; "arith" = legacy with E2M1 by integer
+# ops) or "<decode>-g<GR>j<GJ>-d<DR>j<DJ>" for the flat family: gate_up blocks of GR rows with GJ
+# chunks a thread, down blocks of DR rows with DJ chunks a thread, decode tab / arith / mix
+# (NVFP4; fp8 and bf16 have "arith" only). Any such name builds; SWEEP lists the ones timed.
+
+DEFAULT_VARIANT = {"nvfp4": "tab-g8j1-d4j2", "fp8": "arith-g4j1-d4j4", "bf16": "arith-g4j4-d4j4"}
+# ^ H200 sweep (graph replay, 3 shapes): nvfp4 tab-g8j1-d4j2 best flat at all three; fp8
+# arith-g8j1-d8j2 was best at 30B / Next but failed to launch at 2560x640 (too many threads for
+# its registers, now capped, see _cap), arith-g4j1-d4j4 the best that ran at all three; bf16
+# arith-g4j4-d4j4 best at all three. The pipelined (p...) variants are new, not yet measured.
+SWEEP = {   # what tools/sweep_experts.py times
+    "nvfp4": ["legacy", "tab-g8j1-d4j2", "ptab-g8j1-d4j2", "ptab-g4j1-d4j2", "parith-g8j1-d4j2",
+              "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j2-d4j1"],
+    "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
+            "parith-g4j1-d4j1"],
+    "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
+}
+_VARIANT_RE = re.compile(r"^(p?)(tab|arith|mix)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
+_FLAT = {}
+
+
+def parse_variant(fmt: str, variant: str):
+    """None for the legacy kernels, else (decode, GR, GJ, DR, DJ)."""
+    v = variant or DEFAULT_VARIANT[fmt]
+    if v in ("legacy", "arith"):
+        return None
+    m = _VARIANT_RE.match(v)
+    if not m or (fmt, m.group(2)) not in _FLAT_DEC:
+        raise ValueError(f"unknown {fmt} expert kernel variant {v!r}")
+    return (m.group(1) + m.group(2),) + tuple(int(g) for g in m.groups()[2:])
+
+
+def flat_kernels(fmt: str, cfg):
+    """(gate_up, down) of a flat ("tab", ...) or pipelined ("ptab", ...) variant."""
+    if (fmt, cfg) not in _FLAT:
+        dec = cfg[0]
+        make = _make_pipe if dec.startswith("p") else _make_flat
+        _FLAT[(fmt, cfg)] = make(fmt, dec.lstrip("p"), *cfg[1:])
+    return _FLAT[(fmt, cfg)]
+
+
+_SPEC = {}
+
+
+def _specialized(kern, args):
+    """kern compiled for these argument types (so its register count is known before the first
+    launch); the simulator has no compile step."""
+    if SIM:
+        return kern, 0, 1024
+    key = (id(kern),) + tuple(str(typeof(a)) for a in args)
+    if key not in _SPEC:
+        sk = kern.specialize(*args)
+        ov = next(iter(sk.overloads.values()))
+        _SPEC[key] = (sk, ov.regs_per_thread, ov.max_threads_per_block)
+    return _SPEC[key]
+
+
+def _cap(nt: int, maxt: int) -> int:
+    """Threads a block, at most what the kernel's registers allow (maxt from the driver): a
+    launch never fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES."""
+    return max(WARP, min(nt, maxt // WARP * WARP))
+
+
+def _sm_count() -> int:
+    return 2 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+def pipe_grid(items: int, threads: int, regs: int) -> int:
+    """Blocks of the pipelined kernels: b resident blocks an SM (registers, threads and 32
+    blocks allow at most bmax), b chosen to minimise the items the busiest SM runs
+    (b * cdiv(items, SMs * b)); ties go to more blocks (more loads in flight)."""
+    sms = _sm_count()
+    if SIM:
+        return min(items, 3)
+    rpt = max(cdiv(max(regs, 1), 8) * 8, 8)
+    warps = cdiv(threads, WARP)
+    bmax = max(1, min(65536 // (rpt * warps * WARP), 2048 // (warps * WARP), 32))
+    best, best_b = None, 1
+    for b in range(1, bmax + 1):
+        load = b * cdiv(items, sms * b)
+        if best is None or load <= best:
+            best, best_b = load, b
+    return max(1, min(items, sms * best_b))
+
+
+def _threads_for(chunks: int, per_thread: int) -> int:
+    return min(cdiv(cdiv(chunks, per_thread), WARP) * WARP, 256 if SIM else 1024)
+
+
 def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="", min_blocks=0,
                    unroll=0, threads=THREADS):
     """x float32 [H] -> act float32 [K, I] for the K experts in slots int32 [K].
-    threads: block size, a multiple of 32 up to THREADS (tuning)."""
-    gate_up = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[0]
+    threads: block size of the legacy kernel, a multiple of 32 up to THREADS (tuning)."""
     b64, b8, bf = views
+    cfg = parse_variant(fmt, variant)
+    if cfg is not None:
+        dec, gr, gj, _, _ = cfg
+        nch = int(lay_host[8]) // CHUNK[fmt]
+        nt = _threads_for(nch, gj)
+        args = (b64, b8, bf, lay, slots, x, act)
+        if dec.startswith("p"):
+            k, regs, maxt = _specialized(flat_kernels(fmt, cfg)[0], args)
+            if _cap(nt, maxt) * gj >= nch:
+                nt = _cap(nt, maxt)
+                k[pipe_grid(cdiv(int(lay_host[7]), gr) * slots.shape[0], nt, regs), nt, stream](
+                    *args)
+                return
+            cfg = (dec.lstrip("p"),) + cfg[1:]        # a row too long for one pass: flat kernel
+        k, _, maxt = _specialized(flat_kernels(fmt, cfg)[0], args)
+        k[(cdiv(int(lay_host[7]), gr), slots.shape[0]), _cap(nt, maxt), stream](*args)
+        return
+    variant = "" if (variant or DEFAULT_VARIANT[fmt]) == "legacy" else variant
+    gate_up = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[0]
     gate_up[gate_up_grid(lay_host, slots.shape[0], threads), threads, stream,
             gate_up_shared_bytes(fmt, lay_host)](b64, b8, bf, lay, slots, x, act)
 
@@ -592,10 +1254,28 @@ def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="",
 def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, accumulate=False,
                 variant="", min_blocks=0, unroll=0, threads=THREADS):
     """act float32 [K, I] -> out float32 [H] = (out if accumulate) + sum_k weights[k] * down_k."""
-    down = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[1]
     b64, b8, bf = views
+    cfg = parse_variant(fmt, variant)
+    acc = int32(1 if accumulate else 0)
+    if cfg is not None:
+        dec, _, _, dr, dj = cfg
+        total = slots.shape[0] * (int(lay_host[9]) // CHUNK[fmt])
+        nt = _threads_for(total, dj)
+        args = (b64, b8, bf, lay, slots, weights, act, out, acc)
+        if dec.startswith("p"):
+            k, regs, maxt = _specialized(flat_kernels(fmt, cfg)[1], args)
+            if _cap(nt, maxt) * dj >= total:
+                nt = _cap(nt, maxt)
+                k[pipe_grid(cdiv(int(lay_host[6]), dr), nt, regs), nt, stream](*args)
+                return
+            cfg = (dec.lstrip("p"),) + cfg[1:]
+        k, _, maxt = _specialized(flat_kernels(fmt, cfg)[1], args)
+        k[cdiv(int(lay_host[6]), dr), _cap(nt, maxt), stream](*args)
+        return
+    variant = "" if (variant or DEFAULT_VARIANT[fmt]) == "legacy" else variant
+    down = get_kernels(fmt + ("-" + variant if variant else ""), min_blocks, unroll)[1]
     down[down_grid(lay_host, threads), threads, stream, down_shared_bytes(fmt, lay_host, slots.shape[0])](
-        b64, b8, bf, lay, slots, weights, act, out, int32(1 if accumulate else 0))
+        b64, b8, bf, lay, slots, weights, act, out, acc)
 
 
 def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, accumulate=False,
@@ -605,7 +1285,7 @@ def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, a
     views: bank_views(bank); lay int64 [10] device, lay_host its numpy copy (shapes only);
     slots int32 [K], weights float32 [K], x float32 [H], act float32 [K, I] scratch,
     out float32 [H]. Safe to capture in a CUDA graph: routing lives in slots / weights.
-    variant "arith" decodes NVFP4 values with integer ops instead of a shared-memory table.
+    variant: "" = DEFAULT_VARIANT[fmt]; see parse_variant.
     """
     expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant, min_blocks, unroll)
     expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, accumulate,

@@ -301,10 +301,34 @@ class ExpertCache:
 
     def get_many(self, layer: int, experts: Sequence[int]) -> list[np.ndarray]:
         """Views in the order of experts; misses are read concurrently."""
+        fast = self._all_ready(layer, experts)
+        if fast is not None:
+            return fast
         out: list = [None] * len(experts)
         for idx, _, view in self.iter_ready(layer, experts):
             out[idx] = view
         return out
+
+    def _all_ready(self, layer: int, experts: Sequence[int]) -> list | None:
+        """The views when every expert is resident (the decode hot path: no futures), else None."""
+        with self._cv:
+            ents = []
+            for e in experts:
+                self._check(layer, int(e))
+                ent = self._entries.get((layer, int(e)))
+                if ent is None or ent.state != _READY:
+                    return None
+                ents.append(ent)
+            keys = [(layer, int(e)) for e in experts]
+            self._pins = set(keys)
+            st = self._stats
+            for key, ent in dict(zip(keys, ents)).items():   # each key once, as iter_ready does
+                self.policy.access(key)
+                st.hits += 1
+                if ent.prefetched and not ent.used:
+                    st.prefetch_hits += 1
+                ent.used = True
+            return [self.pool.view(ent.slot) for ent in ents]
 
     def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, int, np.ndarray]]:
         """Yield (index, expert, view): resident experts at once, then misses as they land."""

@@ -4,7 +4,9 @@ Demand reads (the decode step waits on them) are served before queued prefetch r
 bypasses the page cache so the pinned expert cache is the only copy in RAM; it needs 512-aligned
 offset, size and buffer address (arena blocks are 4096-aligned; mmap memory is page-aligned).
 Where the filesystem refuses O_DIRECT the pool falls back to buffered reads (posix_fadvise
-RANDOM, DONTNEED after each read) and warns once.
+RANDOM, DONTNEED after each read) and warns once. With `cores`, each worker pins itself to those
+cores as it starts (os.sched_setaffinity(0, ...) sets the calling thread's mask on Linux), so the
+decode thread keeps its core to itself (engine/affinity.py chooses the cores).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from typing import Iterable
 
 import numpy as np
 
@@ -29,6 +32,10 @@ class ReadError(OSError):
 
 
 class DirectIOFallbackWarning(UserWarning):
+    pass
+
+
+class AffinityWarning(UserWarning):
     pass
 
 
@@ -60,10 +67,15 @@ class _Request:
 
 
 class ReaderPool:
-    """ReaderPool(path, n_threads=4, direct=True): read(...) -> Future resolving to `out`."""
+    """ReaderPool(path, n_threads=4, direct=True, cores=None): read(...) -> Future resolving to
+    `out`. cores: the cores the worker threads run on (None: wherever the scheduler puts them)."""
 
-    def __init__(self, path: str | os.PathLike, n_threads: int = 4, direct: bool = True):
+    def __init__(self, path: str | os.PathLike, n_threads: int = 4, direct: bool = True,
+                 cores: Iterable[int] | None = None):
+        if n_threads < 1:
+            raise ValueError(f"{path}: a ReaderPool needs at least one thread, got {n_threads}")
         self.path = str(path)
+        self.cores = self._check_cores(cores)
         self.direct = False
         self._fd = self._open(direct)
         self._stale_fds: list[int] = []
@@ -76,7 +88,7 @@ class ReaderPool:
         self._inflight = 0
         self._busy_since = 0.0
         self._closed = False
-        self._threads = [threading.Thread(target=self._worker, name=f"moe-reader-{n}", daemon=True)
+        self._threads = [threading.Thread(target=self._run_worker, name=f"moe-reader-{n}", daemon=True)
                          for n in range(n_threads)]
         for t in self._threads:
             t.start()
@@ -161,6 +173,26 @@ class ReaderPool:
         return sum(self.cancel(f) for f in victims)
 
     # ---- workers ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_cores(cores) -> tuple[int, ...] | None:
+        if cores is None or not hasattr(os, "sched_setaffinity"):
+            return None
+        cores = tuple(sorted(set(int(c) for c in cores)))
+        allowed = os.sched_getaffinity(0)
+        if not cores or not set(cores) <= allowed:
+            raise ValueError(f"reader cores {list(cores)}: need a non-empty subset of the cores this "
+                             f"process may run on {sorted(allowed)}")
+        return cores
+
+    def _run_worker(self) -> None:
+        if self.cores is not None:
+            try:
+                os.sched_setaffinity(0, self.cores)
+            except OSError as e:  # a cpuset changed under us: read anyway, unpinned
+                warnings.warn(f"reader thread: cannot pin to cores {list(self.cores)} ({e.strerror})",
+                              AffinityWarning, stacklevel=1)
+        self._worker()
 
     def _worker(self) -> None:
         while True:

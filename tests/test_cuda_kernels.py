@@ -69,7 +69,7 @@ def make_bank(fmt, h, i, slots, rng, scale=0.05):
     return cuda.to_device(np.stack(blocks)), lay, ws
 
 
-def check_experts(fmt, h, i, k, slots, rng, bank=None, variant=""):
+def check_experts(fmt, h, i, k, slots, rng, bank=None, variant="", accumulate=True):
     from kernels_numba import gpu_experts as ge
     stream = cuda.stream()
     if bank is None:
@@ -88,12 +88,14 @@ def check_experts(fmt, h, i, k, slots, rng, bank=None, variant=""):
     stream.synchronize()
     exp = ref.moe(x[None], sl[None], w[None], ws)[0]
     e1 = _close(out.copy_to_host(), exp, what=f"expert_mlp {fmt} {variant}")
+    if not accumulate:
+        return e1
     base = rng.standard_normal(h).astype(np.float32)          # accumulate into out
     out2 = cuda.to_device(base)
     ge.expert_mlp(fmt, views, cuda.to_device(lh), lh, cuda.to_device(sl), cuda.to_device(w),
-                  cuda.to_device(x), act, out2, stream, accumulate=True)
+                  cuda.to_device(x), act, out2, stream, accumulate=True, variant=variant)
     stream.synchronize()
-    _close(out2.copy_to_host(), exp + base, what=f"expert_mlp {fmt} accumulate")
+    _close(out2.copy_to_host(), exp + base, what=f"expert_mlp {fmt} {variant} accumulate")
     return e1
 
 
@@ -116,7 +118,8 @@ def check_experts_grouped(fmt, h, i, k, t, n_exp, rng):
     return _close(out.copy_to_host(), ref.moe(x, ids, wts, ws), what=f"grouped {fmt}")
 
 
-def check_dense(rng, t, n, k, gemm_t):
+def check_dense(rng, t, n, k, gemm_t, configs=(None,)):
+    """configs: linear (R, KS, U) variants to check besides the default (None)."""
     from kernels_numba import gpu_dense as gd
     stream = cuda.stream()
     errs = []
@@ -125,12 +128,14 @@ def check_dense(rng, t, n, k, gemm_t):
         if kind == "bf16":
             w = _bf16(w)
         dw = cuda.to_device(w)
-        for tt in (1, t):
-            x = rng.standard_normal((tt, k)).astype(np.float32)
-            y = _nan((tt, n))
-            gd.linear(dw, cuda.to_device(x), y, stream)
-            stream.synchronize()
-            errs.append(_close(y.copy_to_host(), ref.linear(x, w), what=f"linear {kind} T={tt}"))
+        for cfg in configs:
+            for tt in (1, t) if cfg else (1, t, gd.LIN_TT_MAX + 1):
+                x = rng.standard_normal((tt, k)).astype(np.float32)
+                y = _nan((tt, n))
+                gd.linear(dw, cuda.to_device(x), y, stream, config=cfg)
+                stream.synchronize()
+                errs.append(_close(y.copy_to_host(), ref.linear(x, w),
+                                   what=f"linear {kind} T={tt} config={cfg}"))
         x = rng.standard_normal((gemm_t, k)).astype(np.float32)
         y = _nan((gemm_t, n))
         gd.gemm(dw, cuda.to_device(x), y, stream)
@@ -178,11 +183,36 @@ def check_norm_rope_embed(rng, t, nh, d, r, hidden, vocab):
     _close(o.copy_to_host(), a + b, tol=0, what="add")
 
 
-def check_attention(rng, s_max, hq, hkv, d, split, t_prefill, window):
+def check_qk_norm_rope(rng, t, hq, hkv, d, r, w_offset=0.0, scaling=1.0):
+    """gd.qk_norm_rope (one launch) against rmsnorm then rope of the reference, q and k."""
+    from kernels_numba import gpu_dense as gd
+    stream = cuda.stream()
+    q = rng.standard_normal((t, hq, d)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    wq = (rng.standard_normal(d) * 0.1).astype(np.float32)
+    wk = (rng.standard_normal(d) * 0.1).astype(np.float32)
+    pos = rng.integers(0, 40000, size=t).astype(np.int32)
+    inv_freq = (1.0 / (1e6 ** (np.arange(0, r, 2) / r))).astype(np.float32)
+    dq, dk = cuda.to_device(q), cuda.to_device(k)
+    gd.qk_norm_rope(dq, dk, cuda.to_device(wq), cuda.to_device(wk), 1e-6, cuda.to_device(pos),
+                    cuda.to_device(inv_freq), scaling, stream, w_offset=w_offset)
+    stream.synchronize()
+    errs = []
+    for got, x, w, what in ((dq, q, wq, "q"), (dk, k, wk, "k")):
+        exp = ref.rope(ref.rmsnorm(x, w + np.float32(w_offset), 1e-6), pos, inv_freq, scaling)
+        errs.append(_close(got.copy_to_host(), exp,
+                           what=f"qk_norm_rope {what} D={d} R={r} offset={w_offset}"))
+    return max(errs)
+
+
+def check_attention(rng, s_max, hq, hkv, d, split, t_prefill, window, variant=None,
+                    kinds=("f32", "bf16")):
+    """variant: attention() keyword overrides (kb, warps) for the partial kernel."""
     from kernels_numba import gpu_attention as ga
     stream = cuda.stream()
     errs = []
-    for kind in ("f32", "bf16"):
+    var = variant or {}
+    for kind in kinds:
         k = rng.standard_normal((s_max, hkv, d)).astype(np.float32)
         v = rng.standard_normal((s_max, hkv, d)).astype(np.float32)
         if kind == "bf16":
@@ -193,25 +223,25 @@ def check_attention(rng, s_max, hq, hkv, d, split, t_prefill, window):
             dk, dv = cuda.to_device(k), cuda.to_device(v)
         scale = d ** -0.5
         parts = ga.alloc_partials(1, hq, d, s_max, split)
-        for pos in (0, s_max // 3, s_max - 1):          # decode at several lengths, one grid
-            q = rng.standard_normal((1, hq, d)).astype(np.float32)
+        for pos, win in ((0, 0), (s_max // 3, 0), (s_max - 1, 0), (s_max - 1, window)):
+            q = rng.standard_normal((1, hq, d)).astype(np.float32)   # decode: one grid for all
             qp = np.array([pos], np.int32)
             out = _nan((1, hq, d))
             ga.attention(cuda.to_device(q), dk, dv, cuda.to_device(qp), scale, out, parts, stream,
-                         split=split)
+                         window=win, split=split, **var)
             stream.synchronize()
-            errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale),
-                               what=f"decode attention {kind} pos={pos}"))
+            errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win),
+                               what=f"decode attention {kind} pos={pos} window={win} {var}"))
         q = rng.standard_normal((t_prefill, hq, d)).astype(np.float32)
         qp = np.arange(t_prefill, dtype=np.int32)
         parts = ga.alloc_partials(t_prefill, hq, d, s_max, split)
         for win in (0, window):
             out = _nan((t_prefill, hq, d))
             ga.attention(cuda.to_device(q), dk, dv, cuda.to_device(qp), scale, out, parts, stream,
-                         window=win, split=split)
+                         window=win, split=split, **var)
             stream.synchronize()
             errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win),
-                               what=f"prefill attention {kind} window={win}"))
+                               what=f"prefill attention {kind} window={win} {var}"))
     return max(errs)
 
 
@@ -255,19 +285,31 @@ def run_sim_checks() -> None:
     """Tiny shapes; run only under NUMBA_ENABLE_CUDASIM=1."""
     rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
     t0 = time.time()
+    # default (flat) kernels at shapes that are not multiples of the block's rows (H 40 pads to
+    # 48 for NVFP4); then the other decodes and the legacy staged kernels, smaller
     for fmt in ("nvfp4", "fp8", "bf16"):
-        check_experts(fmt, 48, 32, 3, 4, rng)
+        check_experts(fmt, 40, 24, 3, 4, rng)
         print(f"ok experts {fmt} {time.time() - t0:.0f}s", flush=True)
-    check_experts("nvfp4", 32, 16, 2, 3, rng, variant="arith")
-    print(f"ok experts nvfp4-arith {time.time() - t0:.0f}s", flush=True)
+    for v in ("arith-g2j1-d2j2", "mix-g1j2-d1j1", "legacy", "arith"):
+        check_experts("nvfp4", 32, 16, 2, 3, rng, variant=v, accumulate=v == "legacy")
+        print(f"ok experts nvfp4 {v} {time.time() - t0:.0f}s", flush=True)
     for fmt in ("nvfp4", "bf16"):
         check_experts_grouped(fmt, 32, 16, 2, 3, 4, rng)
         print(f"ok grouped {fmt} {time.time() - t0:.0f}s", flush=True)
-    check_dense(rng, t=5, n=6, k=40, gemm_t=3)
+    check_dense(rng, t=5, n=6, k=40, gemm_t=3, configs=(None, (2, 2, 2), (4, 1, 3)))
     print(f"ok dense {time.time() - t0:.0f}s", flush=True)
     check_norm_rope_embed(rng, t=2, nh=2, d=16, r=8, hidden=40, vocab=11)
     print(f"ok norm/rope/embed {time.time() - t0:.0f}s", flush=True)
+    check_qk_norm_rope(rng, t=2, hq=3, hkv=2, d=16, r=16)
+    check_qk_norm_rope(rng, t=1, hq=2, hkv=1, d=40, r=8, w_offset=1.0, scaling=0.9)
+    print(f"ok qk_norm_rope {time.time() - t0:.0f}s", flush=True)
     check_attention(rng, s_max=20, hq=2, hkv=1, d=8, split=8, t_prefill=5, window=3)
+    check_attention(rng, s_max=13, hq=4, hkv=2, d=12, split=2, t_prefill=3, window=4,
+                    variant=dict(kb=4, warps=1))      # splits capped: pieces > split
+    check_attention(rng, s_max=10, hq=2, hkv=1, d=8, split=2, t_prefill=3, window=4,
+                    variant=dict(fused=False), kinds=("bf16",))   # separate combine kernel
+    check_attention(rng, s_max=9, hq=2, hkv=2, d=72, split=4, t_prefill=2, window=3,
+                    kinds=("f32",))                   # head dim over 2 chunks a lane
     print(f"ok attention {time.time() - t0:.0f}s", flush=True)
     check_router_sampling(rng, t=2, e=10, k=3, vocab=50)
     print(f"ok router/sampling {time.time() - t0:.0f}s", flush=True)
@@ -297,10 +339,10 @@ FORMATS = ["nvfp4", "fp8", "bf16"]
 def test_experts_gpu(fmt, h, i, k):
     rng = np.random.default_rng(1)
     bank = make_bank(fmt, h, i, k + 4, rng)
+    from kernels_numba.gpu_experts import SWEEP
     check_experts(fmt, h, i, k, k + 4, rng, bank=bank)
-    if fmt == "nvfp4":
-        check_experts(fmt, h, i, k, k + 4, rng, bank=bank, variant="arith")
-        check_experts(fmt, h, i, k, k + 4, rng, bank=bank, variant="")
+    for v in SWEEP[fmt] + (["arith"] if fmt == "nvfp4" else []):
+        check_experts(fmt, h, i, k, k + 4, rng, bank=bank, variant=v)
 
 
 @pytest.mark.gpu
@@ -313,7 +355,9 @@ def test_experts_grouped_gpu(fmt):
 @pytest.mark.gpu
 @gpu
 def test_dense_gpu():
-    check_dense(np.random.default_rng(3), t=7, n=4096, k=2048, gemm_t=77)
+    check_dense(np.random.default_rng(3), t=7, n=4096, k=2048, gemm_t=77,
+                configs=(None, (4, 1, 2), (2, 2, 4), (1, 8, 2)))
+    check_dense(np.random.default_rng(3), t=3, n=128, k=2048, gemm_t=9)
 
 
 @pytest.mark.gpu
@@ -326,9 +370,24 @@ def test_norm_rope_embed_gpu():
 
 @pytest.mark.gpu
 @gpu
+def test_qk_norm_rope_gpu():
+    rng = np.random.default_rng(7)
+    check_qk_norm_rope(rng, t=1, hq=32, hkv=4, d=128, r=128)
+    check_qk_norm_rope(rng, t=7, hq=16, hkv=2, d=256, r=64, w_offset=1.0)
+    check_qk_norm_rope(rng, t=40, hq=32, hkv=4, d=128, r=128, scaling=1.2)
+
+
+@pytest.mark.gpu
+@gpu
 def test_attention_gpu():
     check_attention(np.random.default_rng(5), s_max=3000, hq=32, hkv=4, d=128, split=256,
                     t_prefill=40, window=16)
+    check_attention(np.random.default_rng(5), s_max=40960, hq=32, hkv=4, d=128, split=32,
+                    t_prefill=9, window=4096, kinds=("f32",))
+    check_attention(np.random.default_rng(5), s_max=4096, hq=16, hkv=2, d=256, split=32,
+                    t_prefill=9, window=0, variant=dict(kb=2))
+    check_attention(np.random.default_rng(5), s_max=4096, hq=32, hkv=4, d=128, split=32,
+                    t_prefill=9, window=0, variant=dict(fused=False, kb=4))
 
 
 @pytest.mark.gpu

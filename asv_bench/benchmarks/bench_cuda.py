@@ -135,9 +135,10 @@ class ExpertSetup:
         self.bytes_gate_up = k * 2 * sum(matrix_bytes(fmt, i, h))
         self.bytes_down = self.bytes_per_layer - self.bytes_gate_up
 
-    def run(self, stream=None, part="both", variant="", min_blocks=0, unroll=0, threads=256):
+    def run(self, stream=None, part="both", variant="", min_blocks=0, unroll=0, threads=None):
         from kernels_numba import gpu_experts as ge
         st = stream or self.stream
+        threads = threads or ge.THREADS   # block size of the legacy kernels only
         for l in range(self.layers):
             if part in ("both", "gate_up"):
                 ge.expert_gate_up(self.fmt, self.views, self.dlay, self.lh, self.slots[l], self.x,
@@ -148,7 +149,7 @@ class ExpertSetup:
                                threads)
 
     def layer_us(self, graph: bool, part="both", variant="", min_blocks=0, unroll=0,
-                 threads=256) -> float:
+                 threads=None) -> float:
         from engine.graphs import capture_fn
         run = lambda st=None: self.run(st, part, variant, min_blocks, unroll, threads)  # noqa: E731
         if graph:
@@ -309,22 +310,23 @@ def main(out_path=None, only=None):
     res["copy_gbs"] = hbm_copy_gbs()
     res["saxpy_gbs"] = saxpy_gbs()
     print(f"HBM: d2d copy {res['copy_gbs']:.0f} GB/s, saxpy {res['saxpy_gbs']:.0f} GB/s", flush=True)
-    from kernels_numba.gpu_experts import THREADS as ge_threads
     rows = []
-    sweep = [(u, t) for u in (1, 2, 4) for t in (256, 128, 64) if t <= ge_threads]     # (unroll, threads)
+    # (variant, unroll, threads): the format's default and the legacy staged kernels; every
+    # variant is timed by tools/sweep_experts.py
+    sweep = {"default": ("", 0, None), "legacy": ("legacy", 0, None)}
     fmts = [f for f in ("nvfp4", "fp8", "bf16") if f in only] if only else ("nvfp4", "fp8", "bf16")
     for fmt in fmts:
         for name, (h, i, k) in SHAPES.items():
             t0 = time.time()
             s = ExpertSetup(fmt, h, i, k)
             b = s.bytes_per_layer
-            gu = {c: s.layer_us(True, "gate_up", "", 0, *c) for c in sweep}
-            dn = {c: s.layer_us(True, "down", "", 0, *c) for c in sweep}
+            gu = {c: s.layer_us(True, "gate_up", v, 0, u, t) for c, (v, u, t) in sweep.items()}
+            dn = {c: s.layer_us(True, "down", v, 0, u, t) for c, (v, u, t) in sweep.items()}
             cg, cd = min(gu, key=gu.get), min(dn, key=dn.get)
 
             def run_best(st=None, s=s, cg=cg, cd=cd):
-                s.run(st, "gate_up", "", 0, *cg)
-                s.run(st, "down", "", 0, *cd)
+                s.run(st, "gate_up", sweep[cg][0], 0, *sweep[cg][1:])
+                s.run(st, "down", sweep[cd][0], 0, *sweep[cd][1:])
             from engine.graphs import capture_fn
             g = capture_fn(run_best, s.stream)
             gg_us = _time_ms(s.stream, lambda: g.launch(s.stream), REPS) * 1e3 / s.layers
@@ -336,16 +338,16 @@ def main(out_path=None, only=None):
                        gate_up_us=gu[cg], down_us=dn[cd],
                        gate_up_gbs=s.bytes_gate_up / gu[cg] / 1e3,
                        down_gbs=s.bytes_down / dn[cd] / 1e3,
-                       sweep_gate_up_us={f"u{u}-t{t}": v for (u, t), v in gu.items()},
-                       sweep_down_us={f"u{u}-t{t}": v for (u, t), v in dn.items()})
+                       sweep_gate_up_us=gu,
+                       sweep_down_us=dn)
             row["graph_over_copy"] = row["graph_gbs"] / res["copy_gbs"]
             row["graph_over_saxpy"] = row["graph_gbs"] / res["saxpy_gbs"]
             rows.append(row)
             print(f"experts {fmt:5s} {name:15s} {b / 1e6:5.1f} MB/layer  eager {ge_us:6.1f} us "
                   f"{row['eager_gbs']:5.0f} GB/s | graph {gg_us:6.1f} us {row['graph_gbs']:5.0f} "
                   f"GB/s = {row['graph_over_copy']:.2f} of copy, {row['graph_over_saxpy']:.2f} of "
-                  f"saxpy | gate_up u{cg[0]} t{cg[1]} {gu[cg]:5.1f} us {row['gate_up_gbs']:5.0f} GB/s,"
-                  f" down u{cd[0]} t{cd[1]} {dn[cd]:5.1f} us {row['down_gbs']:5.0f} GB/s "
+                  f"saxpy | gate_up {cg} {gu[cg]:5.1f} us {row['gate_up_gbs']:5.0f} GB/s,"
+                  f" down {cd} {dn[cd]:5.1f} us {row['down_gbs']:5.0f} GB/s "
                   f"({time.time() - t0:.0f}s)", flush=True)
             print("   sweep gate_up " + " ".join(f"{k}:{v:.1f}" for k, v in row["sweep_gate_up_us"].items())
                   + " | down " + " ".join(f"{k}:{v:.1f}" for k, v in row["sweep_down_us"].items()),

@@ -1,0 +1,291 @@
+"""Sweep the dense decode kernels' variants on the GPU, each replayed in a CUDA graph, against
+the device-to-device copy bandwidth measured in the same run.
+
+    python3 tools/sweep_dense.py out.json          # H200: about a minute, compiles included
+    NUMBA_ENABLE_CUDASIM=1 python3 tools/sweep_dense.py --sim out.json   # tiny shapes, CPU
+
+One line per (op, shape, variant): microseconds per call, GB/s of the bytes the op must read
+(the weights for linear, the K / V rows in range for attention), and GB/s over the copy
+bandwidth. Every call reads its own copy of the weights / KV cache, rotating over enough copies
+to be several times the 60 MB L2, so nothing is served from L2 that would not be in a model.
+Each variant's output is checked against numpy once (err: max |error| / max |ref|).
+Legend: N x K = weight rows x inner size, T = tokens, S = cache rows, pos = the query position.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+SIM = "--sim" in sys.argv
+if SIM:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"      # before numba is imported
+
+import numpy as np  # noqa: E402
+from numba import cuda  # noqa: E402
+
+from kernels_numba import gpu_attention as ga  # noqa: E402
+from kernels_numba import gpu_dense as gd  # noqa: E402
+from kernels_numba import reference as ref  # noqa: E402
+
+BUDGET_S = 85             # stop starting new cases after this long (the whole run: < 100 s)
+ROTATE_BYTES = 8 << 20 if SIM else 256 << 20   # bytes of copies a graph rotates through
+MAX_COPIES = 2 if SIM else 256
+REPS = 1 if SIM else 5    # graph replays timed
+
+if SIM:
+    LIN_SHAPES = [(6, 40)]
+    LIN_TOKENS = (1, 3)
+    LIN_CONFIGS = [None, (2, 2, 2)]
+    LIN_T_CONFIGS = LIN_CONFIGS
+    ATT_CASES = [dict(s_max=12, pos=9, hq=2, hkv=1, d=8)]
+    ATT_VARIANTS = [dict(), dict(fused=False), dict(split=2, kb=4, warps=1)]
+    QKR_CASES = [dict(t=1, hq=2, hkv=1, d=16, r=16)]
+else:
+    LIN_SHAPES = [(5120, 2048), (2048, 4096), (4096, 2048), (151936, 2048), (128, 2048),
+                  (768, 2048)]
+    LIN_TOKENS = (1, 2, 4, 7)
+    # (R rows per warp group, KS warps per row, U chunks in flight); None = linear_config()
+    LIN_CONFIGS = [None, (1, 1, 4), (2, 1, 4), (4, 1, 2), (2, 2, 4), (2, 2, 2), (1, 4, 4),
+                   (1, 8, 2), (2, 1, 2)]
+    LIN_T_CONFIGS = [None, (1, 1, 4), (2, 1, 4), (2, 2, 4)]     # T > 1
+    ATT_CASES = [dict(s_max=4096, pos=2047, hq=32, hkv=4, d=128),
+                 dict(s_max=4096, pos=4095, hq=32, hkv=4, d=128),
+                 dict(s_max=4096, pos=255, hq=32, hkv=4, d=128),
+                 dict(s_max=32768, pos=32767, hq=32, hkv=4, d=128)]
+    ATT_VARIANTS = [dict(), dict(fused=False), dict(split=16), dict(split=64), dict(kb=4),
+                    dict(kb=1), dict(warps=2), dict(warps=8), dict(split=64, warps=8)]
+    QKR_CASES = [dict(t=1, hq=32, hkv=4, d=128, r=128), dict(t=7, hq=32, hkv=4, d=128, r=128),
+                 dict(t=1, hq=16, hkv=2, d=256, r=64)]
+
+
+def time_graph_us(fn, stream, calls: int) -> float:
+    """fn(stream) makes `calls` launches; capture it once, replay REPS times: us per launch."""
+    if SIM:                                  # no graphs in the simulator: just run it
+        t0 = time.perf_counter()
+        fn(stream)
+        stream.synchronize()
+        return (time.perf_counter() - t0) * 1e6 / calls
+    from engine.graphs import capture_fn
+    g = capture_fn(fn, stream)
+    g.upload(stream)
+    g.launch(stream)
+    stream.synchronize()
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(stream)
+    for _ in range(REPS):
+        g.launch(stream)
+    e1.record(stream)
+    e1.synchronize()
+    ms = e0.elapsed_time(e1)
+    g.destroy()
+    return ms * 1e3 / (REPS * calls)
+
+
+def copy_gbs(stream) -> float:
+    """Device-to-device copy: bytes read + written per second (GB/s)."""
+    n = 1 << 20 if SIM else 1 << 30
+    src = cuda.device_array(n, np.uint8)
+    dst = cuda.device_array(n, np.uint8)
+    dst.copy_to_device(src, stream=stream)
+    stream.synchronize()
+    reps = 1 if SIM else 10
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(stream)
+    for _ in range(reps):
+        dst.copy_to_device(src, stream=stream)
+    e1.record(stream)
+    e1.synchronize()
+    ms = max(e0.elapsed_time(e1), 1e-3)
+    return 2 * n * reps / (ms * 1e-3) / 1e9
+
+
+def bf16_weights(rng, copies: int, n: int, k: int) -> np.ndarray:
+    """uint16 [copies, n, k]: random bf16 with |w| < 1 (a random 8 MB block, tiled: fast)."""
+    total = copies * n * k
+    blk = min(total, 4 << 20)
+    base = ((rng.standard_normal(blk).astype(np.float32) * 0.05).view(np.uint32) >> 16)
+    return np.resize(base.astype(np.uint16), total).reshape(copies, n, k)
+
+
+def n_copies(nbytes: int) -> int:
+    return max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / nbytes)))
+
+
+def sweep_linear(rows, t_start, stream, rng, bw):
+    for n, k in LIN_SHAPES:
+        nb = n * k * 2
+        copies = n_copies(nb)
+        w_h = bf16_weights(rng, copies, n, k)
+        w = cuda.to_device(w_h)
+        w0 = ref.bf16_to_f32(w_h[0])                    # float32 [n, k] for the checks
+        del w_h
+        for t in LIN_TOKENS:
+            x_h = rng.standard_normal((t, k)).astype(np.float32)
+            x = cuda.to_device(x_h)
+            y = cuda.device_array((t, n), np.float32)
+            exp = x_h @ w0.T
+            for cfg in LIN_CONFIGS if t == 1 else LIN_T_CONFIGS:
+                if time.time() - t_start > BUDGET_S:
+                    rows.append(dict(op="linear", shape=f"{n}x{k} T={t}", variant=str(cfg),
+                                     skipped="time budget"))
+                    continue
+                name = "default" + str(gd.linear_config(n, k, t)) if cfg is None else str(cfg)
+                try:
+                    y.copy_to_device(np.full((t, n), np.nan, np.float32))
+                    gd.linear(w[0], x, y, stream, config=cfg)
+                    stream.synchronize()
+                    got = y.copy_to_host()
+                    err = float(np.abs(got - exp).max() / np.abs(exp).max())
+
+                    def run(st, cfg=cfg):
+                        for c in range(copies):
+                            gd.linear(w[c], x, y, st, config=cfg)
+                    us = time_graph_us(run, stream, copies)
+                except Exception as e:   # one broken variant must not end the sweep
+                    rows.append(dict(op="linear", shape=f"{n}x{k} T={t}", variant=name,
+                                     error=f"{type(e).__name__}: {e}"[:300]))
+                    print(f"linear {n}x{k} T={t} {name}: {type(e).__name__}: {e}", flush=True)
+                    continue
+                gbs = nb / (us * 1e-6) / 1e9
+                rows.append(dict(op="linear", shape=f"{n}x{k} T={t}", variant=name, us=us,
+                                 gbs=gbs, ratio=gbs / bw, err=err, copies=copies))
+                print(f"linear  {n:6d}x{k:<5d} T={t}  {name:22s} {us:8.2f} us {gbs:7.0f} GB/s "
+                      f"{gbs / bw:5.2f} of copy  err {err:.1e}", flush=True)
+
+
+def sweep_attention(rows, t_start, stream, rng, bw):
+    for case in ATT_CASES:
+        s_max, pos, hq, hkv, d = (case[x] for x in ("s_max", "pos", "hq", "hkv", "d"))
+        layer_bytes = s_max * hkv * d * 4 * 2
+        read = (pos + 1) * hkv * d * 4 * 2
+        copies = max(1, min(16, math.ceil(ROTATE_BYTES / layer_bytes)))
+        k_h = rng.standard_normal((s_max, hkv, d)).astype(np.float32)
+        v_h = rng.standard_normal((s_max, hkv, d)).astype(np.float32)
+        kc = [cuda.to_device(k_h) for _ in range(copies)]
+        vc = [cuda.to_device(v_h) for _ in range(copies)]
+        q_h = rng.standard_normal((1, hq, d)).astype(np.float32)
+        q = cuda.to_device(q_h)
+        qp_h = np.array([pos], np.int32)
+        qp = cuda.to_device(qp_h)
+        out = cuda.device_array((1, hq, d), np.float32)
+        scale = d ** -0.5
+        exp = ref.attention(q_h, k_h, v_h, qp_h, scale)
+        shape = f"S={s_max} pos={pos} {hq}/{hkv}x{d}"
+        for var in ATT_VARIANTS:
+            name = ",".join(f"{a}={b}" for a, b in var.items()) or "default"
+            if time.time() - t_start > BUDGET_S:
+                rows.append(dict(op="attention", shape=shape, variant=name, skipped="time budget"))
+                continue
+            split = var.get("split", ga.SPLIT)
+            try:
+                parts = ga.alloc_partials(1, hq, d, s_max, split)
+                out.copy_to_device(np.full((1, hq, d), np.nan, np.float32))
+                ga.attention(q, kc[0], vc[0], qp, scale, out, parts, stream, **var)
+                stream.synchronize()
+                err = float(np.abs(out.copy_to_host() - exp).max() / np.abs(exp).max())
+
+                def run(st, var=var, parts=parts):
+                    for c in range(copies):
+                        ga.attention(q, kc[c], vc[c], qp, scale, out, parts, st, **var)
+                us = time_graph_us(run, stream, copies)
+                fused = var.get("fused", ga.FUSED) and ga.fusable(hq // hkv, parts[0].shape[1] - 1)
+                comb = ga._COMBINE[ga.MAX_D // ga.WARP // 2 if d <= ga.MAX_D // 2
+                                   else ga.MAX_D // ga.WARP]
+
+                def run_comb(st, parts=parts, split=split):
+                    for _ in range(copies):
+                        comb[hq, ga.COMB_THREADS, st](qp, np.int32(0), np.int32(split), *parts,
+                                                      out)
+                us_comb = 0.0 if fused else time_graph_us(run_comb, stream, copies)
+            except Exception as e:
+                rows.append(dict(op="attention", shape=shape, variant=name,
+                                 error=f"{type(e).__name__}: {e}"[:300]))
+                print(f"attention {shape} {name}: {type(e).__name__}: {e}", flush=True)
+                continue
+            gbs = read / (us * 1e-6) / 1e9
+            rows.append(dict(op="attention", shape=shape, variant=name, us=us, combine_us=us_comb,
+                             gbs=gbs, ratio=gbs / bw, err=err, splits=parts[0].shape[1] - 1,
+                             fused=bool(fused),
+                             copies=copies))
+            print(f"attention {shape:28s} {name:20s} {us:8.2f} us "
+                  f"({'fused' if fused else f'combine {us_comb:5.2f}'}) "
+                  f"{gbs:7.0f} GB/s {gbs / bw:5.2f} of copy  err {err:.1e}", flush=True)
+
+
+def sweep_qk_norm_rope(rows, t_start, stream, rng, bw):
+    """gd.qk_norm_rope (one launch) against rmsnorm(q), rmsnorm(k), rope(q), rope(k)."""
+    for case in QKR_CASES:
+        t, hq, hkv, d, r = (case[x] for x in ("t", "hq", "hkv", "d", "r"))
+        shape = f"T={t} {hq}/{hkv}x{d} R={r}"
+        if time.time() - t_start > BUDGET_S:
+            rows.append(dict(op="qk_norm_rope", shape=shape, skipped="time budget"))
+            continue
+        q_h = rng.standard_normal((t, hq, d)).astype(np.float32)
+        k_h = rng.standard_normal((t, hkv, d)).astype(np.float32)
+        wq_h = (rng.standard_normal(d) * 0.1).astype(np.float32)
+        wk_h = (rng.standard_normal(d) * 0.1).astype(np.float32)
+        pos_h = rng.integers(0, 30000, size=t).astype(np.int32)
+        inv_h = (1.0 / (1e6 ** (np.arange(0, r, 2) / r))).astype(np.float32)
+        q, k = cuda.to_device(q_h), cuda.to_device(k_h)
+        wq, wk, pos, inv = (cuda.to_device(a) for a in (wq_h, wk_h, pos_h, inv_h))
+        try:
+            gd.qk_norm_rope(q, k, wq, wk, 1e-6, pos, inv, 1.0, stream, w_offset=1.0)
+            stream.synchronize()
+            err = 0.0
+            for got, x, w in ((q, q_h, wq_h), (k, k_h, wk_h)):
+                exp = ref.rope(ref.rmsnorm(x, w + np.float32(1.0), 1e-6), pos_h, inv_h)
+                err = max(err, float(np.abs(got.copy_to_host() - exp).max() / np.abs(exp).max()))
+            reps = 1 if SIM else 50
+            q2, k2 = q.reshape(t * hq, d), k.reshape(t * hkv, d)
+
+            def fused(st):
+                for _ in range(reps):
+                    gd.qk_norm_rope(q, k, wq, wk, 1e-6, pos, inv, 1.0, st, w_offset=1.0)
+
+            def separate(st):
+                for _ in range(reps):
+                    gd.rmsnorm(q2, wq, 1e-6, q2, st, w_offset=1.0)
+                    gd.rmsnorm(k2, wk, 1e-6, k2, st, w_offset=1.0)
+                    gd.rope(q, pos, inv, st)
+                    gd.rope(k, pos, inv, st)
+            us_f = time_graph_us(fused, stream, reps)
+            us_s = time_graph_us(separate, stream, reps)
+        except Exception as e:
+            rows.append(dict(op="qk_norm_rope", shape=shape,
+                             error=f"{type(e).__name__}: {e}"[:300]))
+            print(f"qk_norm_rope {shape}: {type(e).__name__}: {e}", flush=True)
+            continue
+        rows.append(dict(op="qk_norm_rope", shape=shape, us=us_f, separate_us=us_s, err=err))
+        print(f"qk_norm_rope {shape:24s} fused {us_f:6.2f} us   4 launches {us_s:6.2f} us  "
+              f"err {err:.1e}", flush=True)
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if a != "--sim"]
+    out_path = args[0] if args else "sweep_dense.json"
+    t_start = time.time()
+    if not SIM and not cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --sim)")
+    stream = cuda.stream()
+    rng = np.random.default_rng(0)
+    bw = copy_gbs(stream)
+    dev = "simulator" if SIM else cuda.get_current_device().name
+    dev = dev.decode() if isinstance(dev, bytes) else str(dev)
+    print(f"device {dev}: d2d copy {bw:.0f} GB/s", flush=True)
+    res = dict(device=dev, copy_gbs=bw, sim=SIM, rows=[])
+    try:
+        sweep_linear(res["rows"], t_start, stream, rng, bw)
+        sweep_qk_norm_rope(res["rows"], t_start, stream, rng, bw)
+        sweep_attention(res["rows"], t_start, stream, rng, bw)
+    finally:
+        res["elapsed_s"] = time.time() - t_start
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {out_path} ({res['elapsed_s']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
