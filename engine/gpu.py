@@ -126,6 +126,19 @@ class GpuDecoder:
         self._weight = weight
         self.inv_freq = cuda.to_device(c.rope.inv_freq())
         self.res = VramResidency(plan.vram_slots, layout.block_bytes, experts_host, self.xs, self.cs)
+        from engine.residency import h2d_copier
+        streamed = tuple(getattr(plan, "dense_streamed", ()))
+        self._dslot = {l: i % 2 for i, l in enumerate(streamed)}             # layer -> slot
+        self._dnext = {l: streamed[(i + 1) % len(streamed)] for i, l in enumerate(streamed)}
+        self._dslots = [cuda.device_array((1, plan.dense_slot_bytes), np.uint8)
+                        for _ in range(2)] if streamed else []
+        self._dcopy = [h2d_copier(d, self.xs) for d in self._dslots]
+        self._dfree = [cuda.event() for _ in self._dslots]
+        for e in self._dfree:
+            e.record(self.cs)
+        self._dready_evt = {l: cuda.event() for l in streamed}
+        self._dready: dict = {}     # layer -> event of its copy in flight or landed, not yet used
+        self._dpack: dict = {}      # layer -> (pinned uint8 host buffer, {key: (offset, shape, dtype)})
         self.views = gx.bank_views(self.res.bank)
         self.prefill_batch = prefill_batch
         self.slots_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)
@@ -158,13 +171,10 @@ class GpuDecoder:
             return qkv[r0:r0 + (self.c.q_dim if key == "q" else self.c.kv_dim)]
         k = (key, layer)
         d = self._w.get(k)
+        if d is None and layer in self._dslot:
+            d = self._w[k] = self._dense_view(key, layer)
         if d is None:
-            if key == "qkv":
-                a = np.concatenate([np.asarray(self._weight(x, layer)) for x in _QKV])
-            else:
-                a = np.asarray(self._weight(key, layer))
-            if a.ndim == 1 and a.dtype == np.uint16:
-                a = (a.astype(np.uint32) << 16).view(np.float32)
+            a = self._host_array(key, layer)
             if key == "embed" and self.embed_on_host:
                 # a token reads one row: the table stays in mapped host memory, read over PCIe
                 # by the embed kernel, and its VRAM goes to hot experts
@@ -175,10 +185,88 @@ class GpuDecoder:
             d = self._w[k] = cuda.to_device(np.ascontiguousarray(a), stream=self.cs)
         return d
 
+    def _host_array(self, key: str, layer: int | None) -> np.ndarray:
+        """The host array behind a device weight (q | k | v fused, 1-D bf16 widened)."""
+        if key == "qkv":
+            a = np.concatenate([np.asarray(self._weight(x, layer)) for x in _QKV])
+        else:
+            a = np.asarray(self._weight(key, layer))
+        if a.ndim == 1 and a.dtype == np.uint16:
+            a = (a.astype(np.uint32) << 16).view(np.float32)
+        return np.ascontiguousarray(a)
+
     def upload_all(self, keys) -> None:
+        """Every dense weight to the device, but the layers the plan streams: theirs are packed
+        into one pinned host buffer per layer, copied into a device slot before the layer runs."""
+        packs: dict = {}
         for key, layer in keys:
-            self.w(key, layer)
+            if layer in self._dslot:
+                canon = "qkv" if self.fuse_qkv and key in _QKV else key
+                packs.setdefault(layer, dict.fromkeys(()))[canon] = None
+            else:
+                self.w(key, layer)
+        for layer, ks in packs.items():
+            self._pack_layer(layer, list(ks))
         self.cs.synchronize()
+
+    # ---- dense layers streamed from host RAM (when the plan cannot keep them in VRAM) ---------
+    # Two device slots alternate between the streamed layers; a layer's weights are copied into
+    # its slot on the copy stream once the slot's previous layer has finished, while the layer
+    # before computes, and the compute stream waits for the copy (_dense_begin / _dense_end).
+
+    def _pack_layer(self, layer: int, keys: list) -> None:
+        arrays = [(k, self._host_array(k, layer)) for k in keys]
+        meta, off = {}, 0
+        for k, a in arrays:
+            meta[k] = (off, a.shape, a.dtype)
+            off += (a.nbytes + 255) // 256 * 256
+        cap = self._dslots[0].shape[1]
+        if off > cap:
+            raise RuntimeError(f"layer {layer}: its dense weights take {off} bytes, more than the "
+                               f"planned dense slot of {cap} bytes")
+        host = cuda.pinned_array(off, np.uint8)
+        for k, a in arrays:
+            o = meta[k][0]
+            host[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
+        self._dpack[layer] = (host, meta)
+
+    def _dense_view(self, key: str, layer: int):
+        host, meta = self._dpack[layer]
+        if key not in meta:
+            raise KeyError(f"dense weight {key!r} of streamed layer {layer} was not packed")
+        off, shape, dtype = meta[key]
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self._dslots[self._dslot[layer]][0, off:off + n].view(dtype).reshape(shape)
+
+    def _dense_fetch(self, layer: int) -> None:
+        s = self._dslot[layer]
+        self._dfree[s].wait(self.xs)      # the slot's previous layer has finished with it
+        host = self._dpack[layer][0]
+        if self._dcopy[s] is not None:
+            self._dcopy[s](0, host, host.nbytes)
+        else:
+            self._dslots[s][0, :host.nbytes].copy_to_device(host, stream=self.xs)
+        evt = self._dready_evt[layer]
+        evt.record(self.xs)
+        self._dready[layer] = evt
+        self.res.stats.h2d_bytes += host.nbytes
+        self.res.stats.dense_h2d_bytes += host.nbytes
+
+    def _dense_begin(self, layer: int) -> None:
+        if layer not in self._dslot:
+            return
+        if layer not in self._dready:
+            self._dense_fetch(layer)
+        self._dready.pop(layer).wait(self.cs)
+
+    def _dense_end(self, layer: int) -> None:
+        """After the layer's launches: free its slot, start copying the next streamed layer."""
+        if layer not in self._dslot:
+            return
+        self._dfree[self._dslot[layer]].record(self.cs)
+        nxt = self._dnext[layer]
+        if nxt not in self._dready:
+            self._dense_fetch(nxt)
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -230,11 +318,13 @@ class GpuDecoder:
         x = b.x[:t]
         gd.embed(tok, self.w("embed"), x, cs)
         for l in range(c.n_layers):
+            self._dense_begin(l)
             self._attention(l, b, t, st)
             if l in c.moe_layers:
                 self._moe(l, b, t)
             else:
                 self._dense_mlp(l, b, t)
+            self._dense_end(l)
         st.pos += t
         if not (all_logits or last):
             return None
@@ -365,8 +455,10 @@ class GpuDecoder:
             g["embed"].launch(cs)
             waits = []   # (dense done, copies done) events of layers that copied
             for l in range(c.n_layers):
+                self._dense_begin(l)
                 g[("dense", l)].launch(cs)
                 if l not in c.moe_layers:
+                    self._dense_end(l)
                     continue
                 ev_dense, ev_copy = self._events[l]
                 ev_dense.record(cs)
@@ -381,6 +473,7 @@ class GpuDecoder:
                     ev_copy.record(self.xs)
                     waits.append((ev_dense, ev_copy))
                 g[("experts", l)].launch(cs)
+                self._dense_end(l)
                 nl = self.next_moe[l]
                 if self.speculate and nl is not None:
                     pred = np.array(self.spec_h[nl])

@@ -30,6 +30,8 @@ class Plan:
     total_experts: int
     ram_slots: int               # host-RAM cache capacity in blocks
     notes: tuple = field(default=())
+    dense_streamed: tuple = ()   # layers whose dense weights live in host RAM and are copied in
+    dense_slot_bytes: int = 0    # each of the two device slots those layers are copied into
 
     @property
     def vram_slots(self) -> int:
@@ -42,7 +44,7 @@ class Plan:
 
     @property
     def all_resident(self) -> bool:
-        return self.hot_slots >= self.total_experts
+        return self.hot_slots >= self.total_experts and not self.dense_streamed
 
     def describe(self) -> str:
         def gb(n):
@@ -58,24 +60,63 @@ class Plan:
             f"  streamed: {streamed} experts ({gb(streamed * self.block_bytes)}) through a RAM cache "
             f"of {self.ram_slots} blocks ({min(self.ram_slots, streamed)} of them fit) from the arena",
         ]
+        if self.dense_streamed:
+            lines.append(f"  dense: {len(self.dense_streamed)} layers' weights stream from host RAM "
+                         f"through 2 slots of {gb(self.dense_slot_bytes)} (the rest stay in VRAM)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
+def stream_dense(layer_bytes: dict, room: int) -> tuple[tuple, int]:
+    """Which layers' dense weights to stream so the rest fit in `room` bytes beside two slots of
+    the largest streamed layer: the fewest layers, the last ones first. ((), 0) when all fit;
+    None when even streaming every layer does not fit."""
+    layers = sorted(layer_bytes)
+    total = sum(layer_bytes.values())
+    if total <= room:
+        return (), 0
+    streamed = []
+    for l in reversed(layers):
+        streamed.append(l)
+        slot = max(layer_bytes[x] for x in streamed)
+        if total - sum(layer_bytes[x] for x in streamed) + 2 * slot <= room:
+            return tuple(sorted(streamed)), slot
+    return None
+
+
 def plan(*, vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, run_state_bytes: int,
-         block_bytes: int, top_k: int, total_experts: int, hot_limit: int | None = None) -> Plan:
-    """Size every tier; raise PlanError naming the minimum when the budget is too small."""
+         block_bytes: int, top_k: int, total_experts: int, hot_limit: int | None = None,
+         dense_layer_bytes: dict | None = None) -> Plan:
+    """Size every tier; raise PlanError naming the minimum when the budget is too small.
+
+    dense_layer_bytes (layer -> bytes of its dense weights, part of dense_bytes): when given and
+    the dense side does not fit, the layers that do not fit stream from host RAM like experts
+    (dense weights come first: a token reads all of them, but only top-k of each layer's experts).
+    """
     vram = int(vram_gb * GB)
     ram = int(ram_gb * GB)
     bank_slots = 2 * top_k
-    need = RESERVE_BYTES + dense_bytes + kv_bytes + run_state_bytes + bank_slots * block_bytes
+    fixed = RESERVE_BYTES + kv_bytes + run_state_bytes + bank_slots * block_bytes
+    need = fixed + dense_bytes
+    streamed, slot = (), 0
+    if need > vram and dense_layer_bytes:
+        per_layer = sum(dense_layer_bytes.values())
+        got = stream_dense(dense_layer_bytes, vram - fixed - (dense_bytes - per_layer))
+        if got is not None:
+            streamed, slot = got
+            need = fixed + dense_bytes - sum(dense_layer_bytes[x] for x in streamed) + 2 * slot
     if need > vram:
+        least = ""
+        if dense_layer_bytes:
+            least = (f"; streaming every layer's dense weights would need "
+                     f"{(fixed + dense_bytes - sum(dense_layer_bytes.values()) + 2 * max(dense_layer_bytes.values())) / GB:.2f} GB")
         raise PlanError(
             f"--vram-gb {vram_gb:g} cannot hold the minimum of {need / GB:.2f} GB: dense weights "
             f"{dense_bytes / GB:.2f} GB + KV cache {kv_bytes / GB:.2f} GB + run state "
             f"{run_state_bytes / GB:.2f} GB + two slot banks of {top_k} experts "
             f"{bank_slots * block_bytes / GB:.2f} GB + {RESERVE_BYTES / GB:.2f} GB reserve "
-            f"(lower --max-context to shrink the KV cache)")
+            f"(lower --max-context to shrink the KV cache){least}")
+    dense_resident = dense_bytes - sum(dense_layer_bytes[x] for x in streamed) + 2 * slot
     hot = min(total_experts, (vram - need) // block_bytes)
     if hot_limit is not None:
         hot = min(hot, hot_limit)
@@ -86,5 +127,8 @@ def plan(*, vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, run_
     elif ram_slots < top_k:
         raise PlanError(f"--ram-gb {ram_gb:g} holds {ram_slots} expert blocks; one layer's "
                         f"{top_k} routed experts need at least {top_k * block_bytes / GB:.3f} GB")
-    return Plan(vram, ram, dense_bytes, kv_bytes, run_state_bytes, block_bytes, bank_slots, int(hot),
-                total_experts, int(ram_slots), tuple(notes))
+    if streamed:
+        notes.append(f"the dense weights ({dense_bytes / GB:.2f} GB) do not fit: "
+                     f"{len(streamed)} of {len(dense_layer_bytes)} layers stream from host RAM")
+    return Plan(vram, ram, dense_resident, kv_bytes, run_state_bytes, block_bytes, bank_slots,
+                int(hot), total_experts, int(ram_slots), tuple(notes), streamed, slot)

@@ -27,6 +27,7 @@ class VramStats:
     ram_hits: int = 0
     disk_reads: int = 0
     h2d_bytes: int = 0
+    dense_h2d_bytes: int = 0   # of h2d_bytes, dense weights of layers streamed from host RAM
     host_wait_s: float = 0.0   # time the decode thread spent getting blocks from the host tier
     h2d_wait_s: float = 0.0    # decode: time the compute stream stood waiting for expert copies
     issue_s: float = 0.0       # time the decode thread spent resolving slots and issuing copies
@@ -45,7 +46,7 @@ class VramStats:
         return d
 
 
-def _raw_h2d(bank, stream):
+def h2d_copier(bank, stream):
     """copy(slot, host_block, nbytes) through cuMemcpyHtoDAsync, or None under the simulator.
 
     numba's copy_to_device costs tens of microseconds of Python a call (a device-array slice, then
@@ -89,7 +90,7 @@ class VramResidency:
         self.stats = VramStats()
         self.copied = False
         self._evt = cuda.event()
-        self._copy = _raw_h2d(self.bank, copy_stream)
+        self._copy = h2d_copier(self.bank, copy_stream)
         self._spec: dict = {}       # layer -> (event, predicted keys, keys copied on the prediction)
 
     @property

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -261,7 +262,7 @@ class Engine:
         from numba import cuda
 
         from engine.models.hybrid import HybridConfig
-        from engine.planner import plan
+        from engine.planner import PlanError, plan
         from loader.layout import ExpertLayout
         c = self.config
         if self.packed:
@@ -290,9 +291,23 @@ class Engine:
         chunk = g.pick_prefill_chunk(c, self.max_context, vram * 1e9)
         run_state = g.run_state_bytes(c, chunk, self.max_context)
         total_experts = len(c.moe_layers) * c.n_experts
-        self.plan = p = plan(vram_gb=vram, ram_gb=max(ram, 1e-9) if self.packed else 1e6,
-                             dense_bytes=dense_bytes, kv_bytes=kv, run_state_bytes=run_state,
-                             block_bytes=layout.block_bytes, top_k=c.top_k, total_experts=total_experts)
+        kw = dict(vram_gb=vram, ram_gb=max(ram, 1e-9) if self.packed else 1e6, kv_bytes=kv,
+                  run_state_bytes=run_state, block_bytes=layout.block_bytes, top_k=c.top_k,
+                  total_experts=total_experts)
+        try:
+            p = plan(dense_bytes=dense_bytes, **kw)
+        except PlanError:
+            # the dense side does not fit: stream the layers that don't (their packed size, with
+            # alignment and the decoder's float32 copies of small weights, bounded generously)
+            per_layer: dict = {}
+            for n, w in self._dense.items():
+                m = re.search(r"\.layers\.(\d+)\.", n)
+                if m:
+                    per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + np.asarray(w).nbytes
+            glob = dense_bytes - sum(per_layer.values())
+            per_layer = {l: int(b * 1.05) + (16 << 10) for l, b in per_layer.items()}
+            p = plan(dense_bytes=glob + sum(per_layer.values()), dense_layer_bytes=per_layer, **kw)
+        self.plan = p
         print(p.describe(), file=sys.stderr)
         dec = Decoder(c, self._weight, host, p, layout, on_route, prefill_batch,
                       max_context=self.max_context, speculate=speculate, prefill_chunk=chunk)

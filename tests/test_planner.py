@@ -76,3 +76,25 @@ def test_profile_out_from_generate(tiny_qwen, tmp_path):
     prof = RoutingProfile.load(tmp_path / "prof.json", 2, 4)
     # every token routes top-2 in each of 2 layers: (4 prompt + 4 decoded) x 2 per layer
     assert prof.counts.sum(axis=1).tolist() == [16, 16]
+
+
+def test_plan_streams_dense_layers_that_do_not_fit():
+    layers = {l: 100 << 20 for l in range(48)}          # 4.8 GB of per-layer dense weights
+    glob = int(0.7 * GB)                                # lm_head, norms: always resident
+    dense = glob + sum(layers.values())
+    kw = base(dense_bytes=dense, dense_layer_bytes=layers, vram_gb=4)
+    p = plan(**kw)
+    fixed = RESERVE_BYTES + int(0.4 * GB) + (64 << 20) + 16 * BLOCK
+    n = len(p.dense_streamed)
+    # the fewest layers: one fewer would not fit beside the two slots
+    assert p.dense_slot_bytes == 100 << 20
+    assert fixed + dense - n * (100 << 20) + 2 * (100 << 20) <= 4 * 10**9
+    assert fixed + dense - (n - 1) * (100 << 20) + 2 * (100 << 20) > 4 * 10**9
+    assert p.dense_streamed == tuple(range(48 - n, 48)) and not p.all_resident
+    assert p.vram_used <= p.vram_budget
+    assert "stream from host RAM" in p.describe()
+    # nothing streams when it fits
+    assert plan(**base(dense_bytes=dense, dense_layer_bytes=layers, vram_gb=8)).dense_streamed == ()
+    # below the floor (every layer streamed) the refusal names that minimum
+    with pytest.raises(PlanError, match="streaming every layer's dense weights would need"):
+        plan(**base(dense_bytes=dense, dense_layer_bytes=layers, vram_gb=1))
