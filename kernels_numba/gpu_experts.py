@@ -1137,7 +1137,10 @@ def down_grid(lay_host: np.ndarray, threads: int = THREADS) -> int:
 # A variant name is "legacy" (the staged kernels above; "arith" = legacy with E2M1 by integer
 # ops) or "<decode>-g<GR>j<GJ>-d<DR>j<DJ>" for the flat family: gate_up blocks of GR rows with GJ
 # chunks a thread, down blocks of DR rows with DJ chunks a thread, decode tab / arith / mix
-# (NVFP4; fp8 and bf16 have "arith" only). Any such name builds; SWEEP lists the ones timed.
+# (NVFP4; fp8 and bf16 have "arith" only). A "p" before the decode (ptab, parith, pmix) picks
+# the pipelined persistent kernels with the same meaning of GR GJ DR DJ (they need threads * J to
+# cover a row in one pass, else the flat kernel runs). Any such name builds; SWEEP lists the
+# ones timed. Threads a block are always capped by the compiled kernel's registers (_cap).
 
 DEFAULT_VARIANT = {"nvfp4": "tab-g8j1-d4j2", "fp8": "arith-g4j1-d4j4", "bf16": "arith-g4j4-d4j4"}
 # ^ H200 sweep (graph replay, 3 shapes): nvfp4 tab-g8j1-d4j2 best flat at all three; fp8
@@ -1146,7 +1149,7 @@ DEFAULT_VARIANT = {"nvfp4": "tab-g8j1-d4j2", "fp8": "arith-g4j1-d4j4", "bf16": "
 # arith-g4j4-d4j4 best at all three. The pipelined (p...) variants are new, not yet measured.
 SWEEP = {   # what tools/sweep_experts.py times
     "nvfp4": ["legacy", "tab-g8j1-d4j2", "ptab-g8j1-d4j2", "ptab-g4j1-d4j2", "parith-g8j1-d4j2",
-              "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j2-d4j1"],
+              "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
