@@ -1142,11 +1142,12 @@ def down_grid(lay_host: np.ndarray, threads: int = THREADS) -> int:
 # cover a row in one pass, else the flat kernel runs). Any such name builds; SWEEP lists the
 # ones timed. Threads a block are always capped by the compiled kernel's registers (_cap).
 
-DEFAULT_VARIANT = {"nvfp4": "tab-g8j1-d4j2", "fp8": "arith-g4j1-d4j4", "bf16": "arith-g4j4-d4j4"}
-# ^ H200 sweep (graph replay, 3 shapes): nvfp4 tab-g8j1-d4j2 best flat at all three; fp8
-# arith-g8j1-d8j2 was best at 30B / Next but failed to launch at 2560x640 (too many threads for
-# its registers, now capped, see _cap), arith-g4j1-d4j4 the best that ran at all three; bf16
-# arith-g4j4-d4j4 best at all three. The pipelined (p...) variants are new, not yet measured.
+DEFAULT_VARIANT = {"nvfp4": "ptab-g8j1-d4j2", "fp8": "parith-g8j1-d4j2", "bf16": "parith-g4j4-d4j4"}
+# ^ H200 sweep of 2026-11-30 (graph replay; us per layer at 30B / Next / 2560x640): the
+# pipelined persistent kernels win: nvfp4 ptab-g8j1-d4j2 24.6 / 26.5 / 38.1 (flat tab 34.4 /
+# 28.7 / 48.9, legacy 51.1 / 46.8 / 68.4); fp8 parith-g8j1-d4j2 26.6 / 25.8 / 39.3; bf16
+# parith-g4j4-d4j4 29.4 / 26.6 / 45.2 (g2j4-d4j2 is 2 % faster at the first two, 23 % slower
+# at 2560x640).
 SWEEP = {   # what tools/sweep_experts.py times
     "nvfp4": ["legacy", "tab-g8j1-d4j2", "ptab-g8j1-d4j2", "ptab-g4j1-d4j2", "parith-g8j1-d4j2",
               "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1"],
