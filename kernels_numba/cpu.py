@@ -277,8 +277,9 @@ SAMPLE_BUCKETS = 256   # tokens binned by (max - logit) / temperature in steps o
 def sample_logits(logits, temperature, top_k, top_p, u):
     """logits [V] f32 -> token id. temperature <= 0 is greedy; u in [0, 1) drives the draw.
 
-    Same distribution as reference.sample_probs, drawn by inverse CDF in probability order. Only
-    the most likely tokens that can matter are sorted: one pass bins every token by its
+    Same distribution as reference.sample_probs, drawn by inverse CDF: in vocabulary order when
+    nothing is cut (top_k 0, top_p 1), else in probability order, where only the most likely
+    tokens that can matter are sorted: one pass bins every token by its
     probability, and the bins are taken from the top until they hold top_k tokens or the mass the
     draw needs (a full sort of a 150k vocabulary costs tens of milliseconds a token).
     """
@@ -290,6 +291,19 @@ def sample_logits(logits, temperature, top_k, top_p, u):
     if temperature <= 0.0:
         return best
     m = np.float64(logits[best])
+    if top_k <= 0 and top_p >= 1.0:
+        # nothing is cut: any fixed order gives the same distribution, and vocabulary order
+        # needs no sort (a flat distribution would otherwise sort most of the vocabulary)
+        tot = 0.0
+        for j in range(v):
+            tot += math.exp((np.float64(logits[j]) - m) / temperature)
+        target = u * tot
+        c = 0.0
+        for j in range(v):
+            c += math.exp((np.float64(logits[j]) - m) / temperature)
+            if c > target:
+                return j
+        return v - 1
     nb = SAMPLE_BUCKETS
     bmass = np.zeros(nb, dtype=np.float64)
     bcount = np.zeros(nb, dtype=np.int64)

@@ -104,8 +104,10 @@ def test_sampling_greedy_and_distribution():
         order = np.argsort(-probs, kind="stable")
         ps = probs[order]
         for u in rng.random(20):
-            # inverse CDF in probability order: the engine draws exactly this id
-            want = order[min(np.searchsorted(np.cumsum(ps), u * ps.sum(), side="right"), v - 1)]
+            if top_k == 0 and top_p == 1.0:   # nothing cut: inverse CDF in vocabulary order
+                want = min(np.searchsorted(np.cumsum(probs), u * probs.sum(), side="right"), v - 1)
+            else:   # inverse CDF in probability order: the engine draws exactly this id
+                want = order[min(np.searchsorted(np.cumsum(ps), u * ps.sum(), side="right"), v - 1)]
             assert cpu.sample_logits(logits, temp, top_k, top_p, u) == want
         assert (probs > 0).sum() <= (top_k or v)
 

@@ -57,9 +57,26 @@ def build(dst, family: str, seed: int = 0, dtype: str = "float32", **over):
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(dst)
     model = model.float()
+    exact_rope(model)
     byte_level_tokenizer().save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return model
+
+
+def exact_rope(model) -> None:
+    """Give the reference float32 RoPE frequencies again: casting the module to bf16 rounded its
+    inv_freq buffers (0.1 -> 0.1001), which a checkpoint does not store and a loader recomputes."""
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(m, "inv_freq", None) is None or cfg is None:
+            continue
+        try:
+            fresh = type(m)(config=cfg)
+        except TypeError:
+            continue
+        m.inv_freq = fresh.inv_freq.float()
+        if hasattr(m, "original_inv_freq"):
+            m.original_inv_freq = fresh.inv_freq.float()
 
 
 def ids_for(n=16, seed=0):
