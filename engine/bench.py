@@ -193,7 +193,8 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
         pt = s["decode_per_token"]
         per = {"disk": pt["disk_bytes"], "h2d": pt["h2d_bytes"], "hbm": pt["weight_bytes"]}
         b = bound(per, bw)
-        row = {"vram_gb": vram, "ram_gb": ram, "speculate": m.gpu.speculate, "warm_ram": warm_ram, "all_resident": m.plan.all_resident, "route": route,
+        row = {"vram_gb": vram, "ram_gb": ram, "speculate": m.gpu.speculate, "warm_ram": warm_ram,
+               "all_resident": m.plan.all_resident, "route": route,
                "hot_experts": m.plan.hot_slots, "total_experts": m.plan.total_experts,
                "load_s": load_s, "prefill_tokens": s["prefill_tokens"], "prefill_tok_s": s["prefill_tok_s"],
                "decode_tokens": s["decode_tokens"], "decode_tok_s": s["decode_tok_s"],

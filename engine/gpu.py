@@ -110,7 +110,6 @@ class GpuDecoder:
         self.prefill_chunk = prefill_chunk
         self.use_graphs = use_graphs
         self._graphs = None
-        self._events = None   # per MoE layer: (dense done, copies done), timing the H2D stall
         from engine.residency import VramResidency
         self.c = c
         self.embed_on_host = embed_on_host(c)
@@ -127,7 +126,7 @@ class GpuDecoder:
         self.inv_freq = cuda.to_device(c.rope.inv_freq())
         self.res = VramResidency(plan.vram_slots, layout.block_bytes, experts_host, self.xs, self.cs)
         from engine.residency import h2d_copier
-        streamed = tuple(getattr(plan, "dense_streamed", ()))
+        streamed = plan.dense_streamed
         self._dslot = {l: i % 2 for i, l in enumerate(streamed)}             # layer -> slot
         self._dnext = {l: streamed[(i + 1) % len(streamed)] for i, l in enumerate(streamed)}
         self._dslots = [cuda.device_array((1, plan.dense_slot_bytes), np.uint8)
@@ -150,6 +149,8 @@ class GpuDecoder:
         # tok/s at --vram-gb 8 --ram-gb 32), cause not yet isolated; --speculate turns it on
         self.speculate = speculate
         self.route_override = None   # benchmarks: replace routing (host side) to force streaming
+        # per MoE layer: (dense done, copies done) events, timing the H2D stall of streamed decode
+        self._events = {l: (cuda.event(), cuda.event()) for l in c.moe_layers}
         moe = list(c.moe_layers)
         self.next_moe = {l: (moe[i + 1] if i + 1 < len(moe) else None) for i, l in enumerate(moe)}
         self.slot_of_d = None   # int32 [L, E] device slot table when every expert is resident
@@ -242,10 +243,7 @@ class GpuDecoder:
         s = self._dslot[layer]
         self._dfree[s].wait(self.xs)      # the slot's previous layer has finished with it
         host = self._dpack[layer][0]
-        if self._dcopy[s] is not None:
-            self._dcopy[s](0, host, host.nbytes)
-        else:
-            self._dslots[s][0, :host.nbytes].copy_to_device(host, stream=self.xs)
+        self._dcopy[s](0, host, host.nbytes)
         evt = self._dready_evt[layer]
         evt.record(self.xs)
         self._dready[layer] = evt
@@ -441,8 +439,6 @@ class GpuDecoder:
         if self._graphs is None:
             self._capture(st)
         g = self._graphs
-        if self._events is None:
-            self._events = {l: (cuda.event(), cuda.event()) for l in c.moe_layers}
         b.tok_h[0], b.pos_h[0] = tid, st.pos
         if "token" in g:
             g["token"].launch(cs)

@@ -97,26 +97,26 @@ def plan(*, vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, run_
     ram = int(ram_gb * GB)
     bank_slots = 2 * top_k
     fixed = RESERVE_BYTES + kv_bytes + run_state_bytes + bank_slots * block_bytes
-    need = fixed + dense_bytes
+    glob = dense_bytes - sum(dense_layer_bytes.values()) if dense_layer_bytes else dense_bytes
+    dense_resident = dense_bytes
     streamed, slot = (), 0
-    if need > vram and dense_layer_bytes:
-        per_layer = sum(dense_layer_bytes.values())
-        got = stream_dense(dense_layer_bytes, vram - fixed - (dense_bytes - per_layer))
+    if fixed + dense_bytes > vram and dense_layer_bytes:
+        got = stream_dense(dense_layer_bytes, vram - fixed - glob)
         if got is not None:
             streamed, slot = got
-            need = fixed + dense_bytes - sum(dense_layer_bytes[x] for x in streamed) + 2 * slot
+            dense_resident = dense_bytes - sum(dense_layer_bytes[x] for x in streamed) + 2 * slot
+    need = fixed + dense_resident
     if need > vram:
         least = ""
         if dense_layer_bytes:
             least = (f"; streaming every layer's dense weights would need "
-                     f"{(fixed + dense_bytes - sum(dense_layer_bytes.values()) + 2 * max(dense_layer_bytes.values())) / GB:.2f} GB")
+                     f"{(fixed + glob + 2 * max(dense_layer_bytes.values())) / GB:.2f} GB")
         raise PlanError(
             f"--vram-gb {vram_gb:g} cannot hold the minimum of {need / GB:.2f} GB: dense weights "
             f"{dense_bytes / GB:.2f} GB + KV cache {kv_bytes / GB:.2f} GB + run state "
             f"{run_state_bytes / GB:.2f} GB + two slot banks of {top_k} experts "
             f"{bank_slots * block_bytes / GB:.2f} GB + {RESERVE_BYTES / GB:.2f} GB reserve "
             f"(lower --max-context to shrink the KV cache){least}")
-    dense_resident = dense_bytes - sum(dense_layer_bytes[x] for x in streamed) + 2 * slot
     hot = min(total_experts, (vram - need) // block_bytes)
     if hot_limit is not None:
         hot = min(hot, hot_limit)

@@ -47,13 +47,15 @@ class VramStats:
 
 
 def h2d_copier(bank, stream):
-    """copy(slot, host_block, nbytes) through cuMemcpyHtoDAsync, or None under the simulator.
-
-    numba's copy_to_device costs tens of microseconds of Python a call (a device-array slice, then
-    its checks); a decode token issues hundreds of block copies when streaming."""
+    """copy(slot, host_block, nbytes) into row `slot` of the uint8 [S, B] device array `bank` on
+    `stream`: cuMemcpyHtoDAsync straight from the driver (numba's copy_to_device costs tens of
+    microseconds of Python a call, and a streamed decode token issues hundreds), numba's copy
+    under the simulator."""
     from kernels_numba.gpu_util import SIM
     if SIM:
-        return None
+        def copy_sim(slot: int, block: np.ndarray, nbytes: int) -> None:
+            bank[slot, :nbytes].copy_to_device(block[:nbytes], stream=stream)
+        return copy_sim
     from cuda.bindings import driver
 
     from engine.graphs import stream_handle
@@ -125,10 +127,7 @@ class VramResidency:
             group = keys[i:j]
             for key, block in zip(group, self._host_blocks(layer, group)):
                 slot = self.free.pop() if self.free else self._evict(keep)
-                if self._copy is not None:
-                    self._copy(slot, block, self.block_bytes)
-                else:
-                    self.bank[slot].copy_to_device(block[:self.block_bytes], stream=self.xs)
+                self._copy(slot, block, self.block_bytes)
                 self.stats.h2d_bytes += self.block_bytes
                 self.slot_of[key] = slot
                 if hot:

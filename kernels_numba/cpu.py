@@ -329,16 +329,13 @@ def sample_logits(logits, temperature, top_k, top_p, u):
             break
     if top_k <= 0 and last < nb - 1:
         last += 1    # one bin of slack against rounding in the running sums
-    cand = np.empty(cnt + (bcount[last] if top_k <= 0 and last < nb else 0), dtype=np.int64)
+    cand = np.empty(bcount[:last + 1].sum(), dtype=np.int64)
     nc = 0
     for j in range(v):
         z = (m - np.float64(logits[j])) / temperature
         if min(int(z * 4.0), nb - 1) <= last:
-            if nc == cand.shape[0]:
-                break
             cand[nc] = j
             nc += 1
-    cand = cand[:nc]
     order = cand[np.argsort(-logits[cand], kind="mergesort")]
     n = nc if top_k <= 0 else min(k, nc)
     p = np.empty(n, dtype=np.float64)

@@ -311,24 +311,25 @@ class ExpertCache:
 
     def _all_ready(self, layer: int, experts: Sequence[int]) -> list | None:
         """The views when every expert is resident (the decode hot path: no futures), else None."""
+        keys = [(layer, int(e)) for e in experts]
         with self._cv:
-            ents = []
-            for e in experts:
-                self._check(layer, int(e))
-                ent = self._entries.get((layer, int(e)))
-                if ent is None or ent.state != _READY:
-                    return None
-                ents.append(ent)
-            keys = [(layer, int(e)) for e in experts]
+            for key in keys:
+                self._check(*key)
+            ents = [self._entries.get(key) for key in keys]
+            if any(ent is None or ent.state != _READY for ent in ents):
+                return None
             self._pins = set(keys)
-            st = self._stats
-            for key, ent in dict(zip(keys, ents)).items():   # each key once, as iter_ready does
+            for key in dict.fromkeys(keys):   # each key once, as iter_ready does
                 self.policy.access(key)
-                st.hits += 1
-                if ent.prefetched and not ent.used:
-                    st.prefetch_hits += 1
-                ent.used = True
+                self._count_hit(self._entries[key])
             return [self.pool.view(ent.slot) for ent in ents]
+
+    def _count_hit(self, ent: _Entry) -> None:
+        st = self._stats
+        st.hits += 1
+        if ent.prefetched and not ent.used:
+            st.prefetch_hits += 1
+        ent.used = True
 
     def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, int, np.ndarray]]:
         """Yield (index, expert, view): resident experts at once, then misses as they land."""
@@ -348,10 +349,7 @@ class ExpertCache:
                 self.policy.access(key)
                 ent = self._entries.get(key)
                 if ent is not None and ent.state == _READY:
-                    st.hits += 1
-                    if ent.prefetched and not ent.used:
-                        st.prefetch_hits += 1
-                    ent.used = True
+                    self._count_hit(ent)
                     ready[key[1]] = self.pool.view(ent.slot)
                     continue
                 st.misses += 1

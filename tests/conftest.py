@@ -141,3 +141,20 @@ def rel_err(a, b) -> float:
 def tiny_qwen(tmp_path):
     build_hf_model(tmp_path / "m", "qwen3_moe")
     return tmp_path / "m"
+
+
+def check_graph_replay_equals_eager(packed, prompt, resident: bool) -> None:
+    """cuda backend on a packed folder: decode replayed as CUDA graphs (one per token when
+    resident, else per-layer segments over the streaming path) gives the eager path's tokens and
+    the CPU backend's."""
+    import engine
+    g = engine.load(packed, device="cuda")
+    if not resident:   # force the streaming path: a plan without every expert resident
+        g.gpu.plan = type(g.plan)(**{**g.plan.__dict__, "hot_slots": 0})
+    a = g.generate(prompt, max_new_tokens=20)
+    assert g.gpu._graphs is not None and (("token" in g.gpu._graphs) == resident)
+    g.gpu.use_graphs = False
+    b = g.generate(prompt, max_new_tokens=20)
+    assert a.output_ids == b.output_ids
+    cpu = engine.load(packed, device="cpu").generate(prompt, max_new_tokens=20)
+    assert cpu.output_ids == a.output_ids

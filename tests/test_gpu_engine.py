@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import engine
-from conftest import assert_greedy, build_hf_model, hf_reference, rel_err
+from conftest import (assert_greedy, build_hf_model, check_graph_replay_equals_eager,
+                      hf_reference, rel_err)
 from engine.pack import pack
 
 pytestmark = pytest.mark.gpu
@@ -62,17 +63,7 @@ def test_graph_replay_equals_eager(tmp_path, resident):
     build_hf_model(src, "qwen3_moe", num_experts=8, num_experts_per_tok=2, hidden_size=64)
     pack(src, tmp_path / "p", "nvfp4", progress=False)
     prompt = np.random.default_rng().integers(0, 300, 9).tolist()
-    kw = {} if resident else {"vram_gb": None}
-    g = engine.load(tmp_path / "p", device="cuda", **kw)
-    if not resident:   # force the streaming path: a plan without every expert resident
-        g.gpu.plan = type(g.plan)(**{**g.plan.__dict__, "hot_slots": 0})
-    a = g.generate(prompt, max_new_tokens=20)
-    assert g.gpu._graphs is not None and (("token" in g.gpu._graphs) == resident)
-    g.gpu.use_graphs = False
-    b = g.generate(prompt, max_new_tokens=20)
-    assert a.output_ids == b.output_ids
-    cpu = engine.load(tmp_path / "p", device="cpu").generate(prompt, max_new_tokens=20)
-    assert cpu.output_ids == a.output_ids
+    check_graph_replay_equals_eager(tmp_path / "p", prompt, resident)
 
 
 def test_dense_layers_streamed_same_tokens(tmp_path):

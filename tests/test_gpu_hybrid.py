@@ -346,22 +346,12 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
 def test_graph_replay_equals_eager(tmp_path, resident):
-    import engine
+    from conftest import check_graph_replay_equals_eager
     from engine.pack import pack
     from test_hybrid import ids_for
     _tiny(tmp_path / "src", "qwen3_next", num_experts=8, num_experts_per_tok=2)
     pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
-    prompt = ids_for(9).tolist()
-    g = engine.load(tmp_path / "p", device="cuda")
-    if not resident:   # force the streaming path: a plan without every expert resident
-        g.gpu.plan = type(g.plan)(**{**g.plan.__dict__, "hot_slots": 0})
-    a = g.generate(prompt, max_new_tokens=20)
-    assert g.gpu._graphs is not None and (("token" in g.gpu._graphs) == resident)
-    g.gpu.use_graphs = False
-    b = g.generate(prompt, max_new_tokens=20)
-    assert a.output_ids == b.output_ids
-    cpu = engine.load(tmp_path / "p", device="cpu").generate(prompt, max_new_tokens=20)
-    assert cpu.output_ids == a.output_ids
+    check_graph_replay_equals_eager(tmp_path / "p", ids_for(9).tolist(), resident)
 
 
 @pytest.mark.gpu
