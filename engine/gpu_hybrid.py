@@ -208,16 +208,13 @@ class GpuHybridDecoder(GpuDecoder):
             q, gate, k, v = b.q[:t], b.gate[:t], b.k[:t], b.v[:t]
             for key, y in zip(ATTN_PARTS, (q, gate, k, v)):
                 self._linear(self.w(key, l), h, y)
-        gd.rmsnorm(q.reshape(t * c.n_heads, d), self.w("q_norm", l), c.rms_eps,
-                   q.reshape(t * c.n_heads, d), cs)
-        gd.rmsnorm(k.reshape(t * c.n_kv_heads, d), self.w("k_norm", l), c.rms_eps,
-                   k.reshape(t * c.n_kv_heads, d), cs)
         q3 = q.reshape(t, c.n_heads, d)
         k3 = k.reshape(t, c.n_kv_heads, d)
         v3 = v.reshape(t, c.n_kv_heads, d)
         pos = b.pos[:t]
-        gd.rope(q3, pos, self.inv_freq, cs, c.rope.attention_factor)
-        gd.rope(k3, pos, self.inv_freq, cs, c.rope.attention_factor)
+        # norms are stored as 1 + w already; rope covers the rotary dims of inv_freq only
+        gd.qk_norm_rope(q3, k3, self.w("q_norm", l), self.w("k_norm", l), c.rms_eps, pos,
+                        self.inv_freq, c.rope.attention_factor, cs)
         s = self.slot[l]
         gm.kv_store(k3, v3, st.k[s], st.v[s], pos, cs)
         att = b.att[:t]
