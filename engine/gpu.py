@@ -272,6 +272,10 @@ class GpuDecoder:
         """Reuses the preallocated state when it is large enough (nothing allocated per request)."""
         if self.state is None or self.state.max_context < max_context:
             self.state = self.state_cls(self.c, max(max_context, self.max_context))
+            # the graph warm-up reads cache rows no token wrote: garbage there (NaN) would
+            # send the router's ids out of range
+            for a in self.state.k + self.state.v:
+                gm.zero(a.reshape(-1), self.cs)
             self.one = self.buffers_cls(self.c, 1, self.state.max_context)
             self.chunk = None
             self._graphs = None

@@ -179,8 +179,8 @@ class GpuHybridDecoder(GpuDecoder):
 
     def new_state(self, max_context: int):
         st = super().new_state(max_context)
-        gdn.zero(st.conv.reshape(-1), self.cs)
-        gdn.zero(st.ssm.reshape(-1), self.cs)
+        gm.zero(st.conv.reshape(-1), self.cs)
+        gm.zero(st.ssm.reshape(-1), self.cs)
         return st
 
     # ---- token mixers ----------------------------------------------------------------------

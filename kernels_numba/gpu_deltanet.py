@@ -244,15 +244,3 @@ def sigmoid_gate(x, gate, stream):
     (G = N: the attention output gate; G = 1: the shared expert's gate)."""
     n = x.shape[0] * x.shape[1]
     _sigmoid_gate[cdiv(n, THREADS), THREADS, stream](x, gate)
-
-
-@cuda.jit
-def _zero(x):
-    i = cuda.grid(1)
-    if i < x.shape[0]:
-        x[i] = float32(0.0)
-
-
-def zero(x, stream):
-    """x [n] = 0 (pass .reshape(-1) of a contiguous array): clears recurrent state per request."""
-    _zero[cdiv(x.shape[0], THREADS), THREADS, stream](x)

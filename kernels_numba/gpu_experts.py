@@ -31,8 +31,8 @@ import re
 import numpy as np
 from numba import cuda, float32, int32, typeof, uint32, uint64
 
-from .gpu_util import (E2M1_TABLE, E4M3_TABLE, FULL_MASK, M32, SIM, WARP, cdiv, int_as_float,
-                       silu, warp_sum)
+from .gpu_util import (E2M1_TABLE, E4M3_TABLE, FULL_MASK, M32, SIM, WARP, cdiv, float_as_uint,
+                       int_as_float, silu, warp_sum)
 
 FORMAT_CODE = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 CHUNK = {"bf16": 4, "fp8": 8, "nvfp4": 16}   # values in one 8-byte load
@@ -43,6 +43,7 @@ ACC_GU = 4 * TT                              # grouped gate_up accumulators per 
 ACC_DN = 2 * TT
 MAX_K = 64                                   # routed experts per token, at most
 SHARED_LIMIT = 48 * 1024                     # static + dynamic shared bytes without opt-in
+SM_SHARED = 228 * 1024                       # shared bytes an SM (H200); 1 KB a block reserved
 # per-format default, from the H200 sweep in docs/PERF-cuda.md: NVFP4 decode is ALU/LDS-heavy
 # and lost 10-15 % with more loads in flight; fp8 / bf16 gained (bf16 27 %)
 UNROLL_FOR = {"nvfp4": 1, "fp8": 4, "bf16": 4}
@@ -1066,6 +1067,347 @@ def _make_pipe(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
     return gate_up, down
 
 
+# ---- decode kernels, "q" family (qpair / qbpair / qtab / qarith): NVFP4, fewer instructions ------
+#
+# Why (SASS of ptab-g8j1-d4j2 on sm_90): its item loop issues ~8.8 instructions a weight: ~4.5 to
+# decode a nibble through the 16-entry table (shift, mask, address, LDS), 1 FFMA, and the rest
+# 64-bit index math, lay[] re-read from global every item (the act store may alias it), the
+# register double buffer copied every item, a bounds branch a chunk. gate_up is bound by that
+# issue rate, not by bytes. The q kernels keep the pipelined persistent structure (same GR GJ
+# DR DJ meaning) and cut the rest:
+#   decode "pair": one LDS.64 a byte from a 256-entry table of float32 pairs (low, high nibble),
+#     replicated per lane of a half-warp ([256, 16], 32 KB), so whatever the bytes a half-warp
+#     reads 16 distinct bank pairs. Per byte (2 weights), ptxas emits PRMT (byte) + SHL + OR
+#     (lane) + IMAD (address) + LDS.64 + 2 FFMA; shared bandwidth is 4 B a weight (32
+#     weights/clk/SM).
+#   decode "bpair": the same pairs as packed bf16 (exact for E2M1) in a uint32 [256, 32]: half
+#     the shared bytes, two more ALU ops a byte.
+# Measured with ptxas -arch=sm_90 (instructions a weight in the steady-state loop): gate_up
+# ptab-g8j1 8.8 -> qpair-g8j1 6.9; down ptab-d4j2 8.4 -> qpair-d4j2 6.5.
+#   decode "tab" / "arith": the p-family nibble decoders on this skeleton (for comparison).
+# Skeleton: lay read once into int32 registers; 32-bit index math; the loop unrolled twice
+# over two register buffers (no copies); the routing weight folded into act (down) once per
+# kernel; no per-chunk bounds branch (chunks past the row read a clamped chunk times x = 0).
+
+_I15, _I31 = np.uint32(15), np.uint32(31)
+
+
+@cuda.jit(device=True, inline=True)
+def _lo_f(p):
+    return int_as_float(uint32(p & M32))
+
+
+@cuda.jit(device=True, inline=True)
+def _hi_f(p):
+    return int_as_float(uint32(p >> 32))
+
+
+if SIM:
+    def _byte(w, sel):
+        """Byte sel & 3 of uint32 w, zero-extended (PRMT on the GPU)."""
+        return np.uint32((int(w) >> (8 * (sel & 3))) & 0xFF)
+else:
+    from numba.cuda import libdevice as _ld
+
+    @cuda.jit(device=True, inline=True)
+    def _byte(w, sel):
+        """Byte of uint32 w picked by the PRMT selector sel (0x4440 + byte: the other three
+        result bytes come from the zero operand): one instruction."""
+        return uint32(_ld.byte_perm(int32(w), int32(0), int32(sel)))
+
+
+@cuda.jit(device=True, inline=True)
+def _pair_at(tab, b, ln, v, o):
+    """v[o], v[o + 1] = the E2M1 pair of byte b: one LDS.64 of tab[b, ln] (ln = lane % 16:
+    a half-warp reads 16 distinct bank pairs whatever the bytes)."""
+    p = tab[b, ln]
+    v[o] = int_as_float(uint32(p & M32))
+    v[o + 1] = int_as_float(uint32(p >> 32))
+
+
+@cuda.jit(device=True, inline=True)
+def _pair_word(w, tab, ln, v, o):
+    """8 nibbles of uint32 w -> v[o:o+8] by 4 lookups in the uint64 [256, 16] pair table."""
+    _pair_at(tab, w & _F255, ln, v, o)
+    _pair_at(tab, _byte(w, 0x4441), ln, v, o + 2)
+    _pair_at(tab, _byte(w, 0x4442), ln, v, o + 4)
+    _pair_at(tab, w >> _S24, ln, v, o + 6)
+
+
+@cuda.jit(device=True, inline=True)
+def _bpair_at(tab, b, ln, v, o):
+    p = tab[b, ln]
+    v[o] = int_as_float(p << _S16)
+    v[o + 1] = int_as_float(p & _XFFFF0000)
+
+
+@cuda.jit(device=True, inline=True)
+def _bpair_word(w, tab, ln, v, o):
+    """8 nibbles of uint32 w -> v[o:o+8] by 4 lookups in the uint32 [256, 32] table of bf16
+    pairs (low nibble in the low half; ln = lane)."""
+    _bpair_at(tab, w & _F255, ln, v, o)
+    _bpair_at(tab, _byte(w, 0x4441), ln, v, o + 2)
+    _bpair_at(tab, _byte(w, 0x4442), ln, v, o + 4)
+    _bpair_at(tab, w >> _S24, ln, v, o + 6)
+
+
+@cuda.jit(device=True, inline=True)
+def _tab_word(w, tab, ln, v, o):
+    _e2m1_word_tab(w, tab, v, o)
+
+
+@cuda.jit(device=True, inline=True)
+def _arith_word(w, tab, ln, v, o):
+    _e2m1_word_s(w, v, o)
+
+
+@cuda.jit(device=True, inline=True)
+def _fill_pair(tab):
+    e2 = cuda.const.array_like(E2M1_TABLE)
+    for i in range(cuda.threadIdx.x, 4096, cuda.blockDim.x):
+        b = i >> 4
+        tab[b, i & 15] = (uint64(float_as_uint(e2[b >> 4])) << uint64(32)) | \
+            uint64(float_as_uint(e2[b & 15]))
+
+
+@cuda.jit(device=True, inline=True)
+def _fill_bpair(tab):
+    e2 = cuda.const.array_like(E2M1_TABLE)
+    for i in range(cuda.threadIdx.x, 8192, cuda.blockDim.x):
+        b = i >> 5
+        tab[b, i & 31] = (float_as_uint(e2[b >> 4]) & _XFFFF0000) | \
+            (float_as_uint(e2[b & 15]) >> _S16)
+
+
+@cuda.jit(device=True, inline=True)
+def _fill_tab16(tab):
+    e2 = cuda.const.array_like(E2M1_TABLE)
+    if cuda.threadIdx.x < 16:
+        tab[cuda.threadIdx.x] = e2[cuda.threadIdx.x]
+
+
+@cuda.jit(device=True, inline=True)
+def _fill_none(tab):
+    pass
+
+
+# decode -> (word decoder, table shape, table dtype, table fill, lane mask, 2^k the decoded
+# values are scaled down by)
+_Q_DEC = {
+    "pair": (_pair_word, (256, 16), uint64, _fill_pair, _I15, 0),
+    "bpair": (_bpair_word, (256, 32), uint32, _fill_bpair, _I31, 0),
+    "tab": (_tab_word, 16, float32, _fill_tab16, _I15, 0),
+    "arith": (_arith_word, 16, float32, _fill_none, _I15, 126),
+}
+
+
+def _make_q(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
+    """(gate_up, down) of the q family (NVFP4 only); same launch contract as _make_pipe."""
+    if fmt != "nvfp4":
+        raise ValueError(f"q expert kernels are NVFP4 only, not {fmt}")
+    CW = 16
+    word, TN, TT_, fill, LM, shift = _Q_DEC[dec]
+    XS = float32(2.0 ** 64) if shift else float32(1.0)
+    POST = float32(2.0 ** (shift - 64)) if shift else float32(1.0)
+    NG = 2 * GR
+    PG, PD = MAX_WARPS * NG, MAX_WARPS * DR      # one partial-sum buffer; two of them:
+    PG2, PD2 = 2 * PG, 2 * PD                    # (sizes must be plain closure constants)
+    WG, WD = GJ * NG, DJ * DR
+    XG, XD = GJ * CW, DJ * CW
+    for n in (NG, DR):
+        if n & (n - 1) or n > WARP:
+            raise ValueError(f"rows per block must be a power of two up to 16; got {n}")
+    reduce_g = _make_reduce(NG)
+    reduce_d = _make_reduce(DR)
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_dot(w, tab, ln, v, xv, base):
+        """16 weights of uint64 w dotted with xv[base:base+16]."""
+        word(uint32(w & M32), tab, ln, v, 0)
+        word(uint32(w >> 32), tab, ln, v, 8)
+        d = float32(0.0)
+        for t in range(CW):
+            d += v[t] * xv[base + t]
+        return d
+
+    @cuda.jit(device=True, inline=True)
+    def load_gu(bank64, bank8, slots, it, nrg, I, nch, gq, gs, uq, us, wq, sb):
+        k = it // nrg
+        r0 = (it - k * nrg) * int32(GR)
+        slot = uint32(slots[k])                 # unsigned indices: no wraparound code
+        tid = int32(cuda.threadIdx.x)
+        nt = int32(cuda.blockDim.x)
+        for u in range(GJ):
+            j = min(tid + int32(u) * nt, nch - int32(1))
+            for q in range(GR):
+                o = int32(min(r0 + int32(q), I - int32(1)) * nch + j)
+                wq[u * NG + 2 * q] = bank64[slot, uint32(gq + o)]
+                wq[u * NG + 2 * q + 1] = bank64[slot, uint32(uq + o)]
+                sb[u * NG + 2 * q] = uint32(bank8[slot, uint32(gs + o)])
+                sb[u * NG + 2 * q + 1] = uint32(bank8[slot, uint32(us + o)])
+
+    @cuda.jit(device=True, inline=True)
+    def item_gu(bank64, bank8, bankf, slots, act, tab, ln, xv, v, acc, red, part, pb, it, nx,
+                items, nrg, I, nch, gq, gs, uq, us, wc, sc, wn, sn):
+        """Issue item nx's loads into (wn, sn), then reduce item it from (wc, sc)."""
+        if nx < items:
+            load_gu(bank64, bank8, slots, nx, nrg, I, nch, gq, gs, uq, us, wn, sn)
+        for q in range(NG):
+            acc[q] = float32(0.0)
+        for u in range(GJ):
+            for q in range(NG):
+                acc[q] += _e4m3(sc[u * NG + q]) * chunk_dot(wc[u * NG + q], tab, ln, v, xv,
+                                                            u * CW)
+        reduce_g(acc, red, part[pb:])
+        tid = int32(cuda.threadIdx.x)
+        k = it // nrg
+        r = (it - k * nrg) * int32(GR) + tid
+        if tid < GR and r < I:
+            slot = slots[k]
+            g = float32(0.0)
+            uu = float32(0.0)
+            for w in range(int32(cuda.blockDim.x) // int32(WARP)):
+                g += part[pb + w * NG + 2 * tid]
+                uu += part[pb + w * NG + 2 * tid + 1]
+            act[k, r] = silu(g * POST * bankf[slot, 0]) * (uu * POST * bankf[slot, 1])
+
+    @cuda.jit
+    def gate_up(bank64, bank8, bankf, lay, slots, x, act):
+        """x float32 [H] -> act float32 [K, I]; grid (blocks,), threads * GJ >= Hs / 16."""
+        tab = cuda.shared.array(TN, TT_)
+        red = cuda.shared.array(RED, float32)
+        part = cuda.shared.array(PG2, float32)
+        tid = int32(cuda.threadIdx.x)
+        nt = int32(cuda.blockDim.x)
+        K = int32(slots.shape[0])
+        H = int32(lay[6])
+        I = int32(lay[7])
+        nch = int32(lay[8]) >> 4
+        gq = int32(lay[0]) >> 3
+        gs = int32(lay[1])
+        uq = int32(lay[2]) >> 3
+        us = int32(lay[3])
+        nrg = (I + int32(GR - 1)) // int32(GR)
+        items = nrg * K
+        fill(tab)
+        cuda.syncthreads()
+        ln = uint32(tid) & LM
+        xv = cuda.local.array(XG, float32)           # this thread's x chunks, for every item
+        for u in range(GJ):
+            for t in range(CW):
+                e = (tid + int32(u) * nt) * int32(CW) + int32(t)
+                xv[u * CW + t] = x[min(e, H - int32(1))] * (XS if e < H else float32(0.0))
+        acc = cuda.local.array(NG, float32)
+        v = cuda.local.array(CW, float32)
+        wa = cuda.local.array(WG, uint64)            # two register buffers, used in turn
+        sa = cuda.local.array(WG, uint32)
+        wb = cuda.local.array(WG, uint64)
+        sb = cuda.local.array(WG, uint32)
+        it = int32(cuda.blockIdx.x)
+        step = int32(cuda.gridDim.x)
+        load_gu(bank64, bank8, slots, min(it, items - int32(1)), nrg, I, nch, gq, gs, uq, us,
+                wa, sa)
+        while it < items:                             # uniform over the block
+            nx = it + step
+            item_gu(bank64, bank8, bankf, slots, act, tab, ln, xv, v, acc, red, part, 0, it,
+                    nx, items, nrg, I, nch, gq, gs, uq, us, wa, sa, wb, sb)
+            it = nx
+            if it >= items:
+                break
+            nx = it + step
+            item_gu(bank64, bank8, bankf, slots, act, tab, ln, xv, v, acc, red, part, PG, it,
+                    nx, items, nrg, I, nch, gq, gs, uq, us, wb, sb, wa, sa)
+            it = nx
+
+    @cuda.jit(device=True, inline=True)
+    def load_dn(bank64, bank8, r0, H, nch, dq, ds, sl, jj, wq, sb):
+        for u in range(DJ):
+            slot = uint32(sl[u])
+            for q in range(DR):
+                o = int32(min(r0 + int32(q), H - int32(1)) * nch + jj[u])
+                wq[u * DR + q] = bank64[slot, uint32(dq + o)]
+                sb[u * DR + q] = uint32(bank8[slot, uint32(ds + o)])
+
+    @cuda.jit(device=True, inline=True)
+    def item_dn(bank64, bank8, out, accumulate, tab, ln, av, v, acc, red, part, pb, it, nx,
+                items, H, nch, dq, ds, sl, jj, wc, sc, wn, sn):
+        if nx < items:
+            load_dn(bank64, bank8, nx * int32(DR), H, nch, dq, ds, sl, jj, wn, sn)
+        for q in range(DR):
+            acc[q] = float32(0.0)
+        for u in range(DJ):
+            for q in range(DR):
+                acc[q] += _e4m3(sc[u * DR + q]) * chunk_dot(wc[u * DR + q], tab, ln, v, av,
+                                                            u * CW)
+        reduce_d(acc, red, part[pb:])
+        tid = int32(cuda.threadIdx.x)
+        r = it * int32(DR) + tid
+        if tid < DR and r < H:
+            o = float32(0.0)
+            for w in range(int32(cuda.blockDim.x) // int32(WARP)):
+                o += part[pb + w * DR + tid]
+            out[r] = o * POST + (out[r] if accumulate else float32(0.0))
+
+    @cuda.jit
+    def down(bank64, bank8, bankf, lay, slots, weights, act, out, accumulate):
+        """act float32 [K, I] -> out float32 [H] (+= when accumulate); grid (blocks,),
+        threads * DJ >= K * Is / 16."""
+        tab = cuda.shared.array(TN, TT_)
+        red = cuda.shared.array(RED, float32)
+        part = cuda.shared.array(PD2, float32)
+        tid = int32(cuda.threadIdx.x)
+        nt = int32(cuda.blockDim.x)
+        K = int32(slots.shape[0])
+        H = int32(lay[6])
+        I = int32(lay[7])
+        nch = int32(lay[9]) >> 4
+        dq = int32(lay[4]) >> 3
+        ds = int32(lay[5])
+        total = K * nch
+        items = (H + int32(DR - 1)) // int32(DR)
+        fill(tab)
+        cuda.syncthreads()
+        ln = uint32(tid) & LM
+        sl = cuda.local.array(DJ, int32)              # this thread's (slot, chunk) and act values
+        jj = cuda.local.array(DJ, int32)              # times its expert's routing weight
+        av = cuda.local.array(XD, float32)
+        for u in range(DJ):
+            c0 = tid + int32(u) * nt
+            c = min(c0, total - int32(1))
+            k2 = c // nch
+            j = c - k2 * nch
+            slot = slots[k2]
+            sl[u] = slot
+            jj[u] = j
+            kw = weights[k2] * bankf[slot, 2] * (XS if c0 < total else float32(0.0))
+            for t in range(CW):
+                i = j * int32(CW) + int32(t)
+                av[u * CW + t] = act[k2, min(i, I - int32(1))] * (kw if i < I else float32(0.0))
+        acc = cuda.local.array(DR, float32)
+        v = cuda.local.array(CW, float32)
+        wa = cuda.local.array(WD, uint64)
+        sa = cuda.local.array(WD, uint32)
+        wb = cuda.local.array(WD, uint64)
+        sb = cuda.local.array(WD, uint32)
+        it = int32(cuda.blockIdx.x)
+        step = int32(cuda.gridDim.x)
+        load_dn(bank64, bank8, min(it, items - int32(1)) * int32(DR), H, nch, dq, ds, sl, jj,
+                wa, sa)
+        while it < items:
+            nx = it + step
+            item_dn(bank64, bank8, out, accumulate, tab, ln, av, v, acc, red, part, 0, it, nx,
+                    items, H, nch, dq, ds, sl, jj, wa, sa, wb, sb)
+            it = nx
+            if it >= items:
+                break
+            nx = it + step
+            item_dn(bank64, bank8, out, accumulate, tab, ln, av, v, acc, red, part, PD, it, nx,
+                    items, H, nch, dq, ds, sl, jj, wb, sb, wa, sa)
+            it = nx
+
+    return gate_up, down
+
+
 @cuda.jit
 def combine_kernel(y, pos, out, accumulate):
     """y float32 [A, H], pos int32 [T, K] (row of y for each token's k-th expert) -> out [T, H]."""
@@ -1139,10 +1481,12 @@ def down_grid(lay_host: np.ndarray, threads: int = THREADS) -> int:
 # chunks a thread, down blocks of DR rows with DJ chunks a thread, decode tab / arith / mix
 # (NVFP4; fp8 and bf16 have "arith" only). A "p" before the decode (ptab, parith, pmix) picks
 # the pipelined persistent kernels with the same meaning of GR GJ DR DJ (they need threads * J to
-# cover a row in one pass, else the flat kernel runs). Any such name builds; SWEEP lists the
-# ones timed. Threads a block are always capped by the compiled kernel's registers (_cap).
+# cover a row in one pass, else the flat kernel runs). A "q" before the decode (NVFP4 only:
+# qpair, qbpair, qtab, qarith) picks the leaner pipelined kernels of _make_q, same contract.
+# Any such name builds; SWEEP lists the ones timed; a default is switched by editing
+# DEFAULT_VARIANT. Threads a block are always capped by the compiled kernel's registers (_cap).
 
-DEFAULT_VARIANT = {"nvfp4": "ptab-g8j1-d4j2", "fp8": "parith-g8j1-d4j2", "bf16": "parith-g4j4-d4j4"}
+DEFAULT_VARIANT = {"nvfp4": "qtab-g8j1-d4j2", "fp8": "parith-g8j1-d4j2", "bf16": "parith-g4j4-d4j4"}
 # ^ H200 sweep of 2026-11-30 (graph replay; us per layer at 30B / Next / 2560x640): the
 # pipelined persistent kernels win: nvfp4 ptab-g8j1-d4j2 24.6 / 26.5 / 38.1 (flat tab 34.4 /
 # 28.7 / 48.9, legacy 51.1 / 46.8 / 68.4); fp8 parith-g8j1-d4j2 26.6 / 25.8 / 39.3; bf16
@@ -1150,12 +1494,14 @@ DEFAULT_VARIANT = {"nvfp4": "ptab-g8j1-d4j2", "fp8": "parith-g8j1-d4j2", "bf16":
 # at 2560x640).
 SWEEP = {   # what tools/sweep_experts.py times
     "nvfp4": ["legacy", "tab-g8j1-d4j2", "ptab-g8j1-d4j2", "ptab-g4j1-d4j2", "parith-g8j1-d4j2",
-              "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1"],
+              "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1",
+              "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
+              "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
 }
-_VARIANT_RE = re.compile(r"^(p?)(tab|arith|mix)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
+_VARIANT_RE = re.compile(r"^(p|q)?(tab|arith|mix|pair|bpair)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
 _FLAT = {}
 
 
@@ -1165,17 +1511,19 @@ def parse_variant(fmt: str, variant: str):
     if v in ("legacy", "arith"):
         return None
     m = _VARIANT_RE.match(v)
-    if not m or (fmt, m.group(2)) not in _FLAT_DEC:
+    ok = (fmt == "nvfp4" and m.group(2) in _Q_DEC) if m and m.group(1) == "q" else \
+        bool(m) and (fmt, m.group(2)) in _FLAT_DEC
+    if not ok:
         raise ValueError(f"unknown {fmt} expert kernel variant {v!r}")
-    return (m.group(1) + m.group(2),) + tuple(int(g) for g in m.groups()[2:])
+    return ((m.group(1) or "") + m.group(2),) + tuple(int(g) for g in m.groups()[2:])
 
 
 def flat_kernels(fmt: str, cfg):
     """(gate_up, down) of a flat ("tab", ...) or pipelined ("ptab", ...) variant."""
     if (fmt, cfg) not in _FLAT:
         dec = cfg[0]
-        make = _make_pipe if dec.startswith("p") else _make_flat
-        _FLAT[(fmt, cfg)] = make(fmt, dec.lstrip("p"), *cfg[1:])
+        make = {"p": _make_pipe, "q": _make_q}.get(dec[0], _make_flat)
+        _FLAT[(fmt, cfg)] = make(fmt, dec[1:] if dec[0] in "pq" else dec, *cfg[1:])
     return _FLAT[(fmt, cfg)]
 
 
@@ -1185,13 +1533,18 @@ _SPEC = {}
 def _specialized(kern, args):
     """kern compiled for these argument types (so its register count is known before the first
     launch); the simulator has no compile step."""
+    return _specialized_smem(kern, args)[:3]
+
+
+def _specialized_smem(kern, args):
+    """_specialized plus the kernel's static shared bytes a block."""
     if SIM:
-        return kern, 0, 1024
+        return kern, 0, 1024, 0
     key = (id(kern),) + tuple(str(typeof(a)) for a in args)
     if key not in _SPEC:
         sk = kern.specialize(*args)
         ov = next(iter(sk.overloads.values()))
-        _SPEC[key] = (sk, ov.regs_per_thread, ov.max_threads_per_block)
+        _SPEC[key] = (sk, ov.regs_per_thread, ov.max_threads_per_block, ov.shared_mem_per_block)
     return _SPEC[key]
 
 
@@ -1205,22 +1558,30 @@ def _sm_count() -> int:
     return 2 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
-def pipe_grid(items: int, threads: int, regs: int) -> int:
-    """Blocks of the pipelined kernels: b resident blocks an SM (registers, threads and 32
-    blocks allow at most bmax), b chosen to minimise the items the busiest SM runs
+def pipe_grid(items: int, threads: int, regs: int, smem: int = 0) -> int:
+    """Blocks of the pipelined kernels: b resident blocks an SM (registers, threads, 32
+    blocks and smem shared bytes a block allow at most bmax), b chosen to minimise the items
+    the busiest SM runs
     (b * cdiv(items, SMs * b)); ties go to more blocks (more loads in flight)."""
     sms = _sm_count()
     if SIM:
         return min(items, 3)
     rpt = max(cdiv(max(regs, 1), 8) * 8, 8)
     warps = cdiv(threads, WARP)
-    bmax = max(1, min(65536 // (rpt * warps * WARP), 2048 // (warps * WARP), 32))
+    bmax = max(1, min(65536 // (rpt * warps * WARP), 2048 // (warps * WARP), 32,
+                      SM_SHARED // (smem + 1024)))
     best, best_b = None, 1
     for b in range(1, bmax + 1):
         load = b * cdiv(items, sms * b)
         if best is None or load <= best:
             best, best_b = load, b
     return max(1, min(items, sms * best_b))
+
+
+def _one_pass_fallback(dec: str) -> str:
+    """The flat decode that stands in for a pipelined one when a row needs more than one pass
+    (the q decodes have no flat kernel: "tab" computes the same sums)."""
+    return "tab" if dec[0] == "q" and dec[1:] not in ("tab", "arith") else dec[1:]
 
 
 def _threads_for(chunks: int, per_thread: int) -> int:
@@ -1238,14 +1599,14 @@ def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="",
         nch = int(lay_host[8]) // CHUNK[fmt]
         nt = _threads_for(nch, gj)
         args = (b64, b8, bf, lay, slots, x, act)
-        if dec.startswith("p"):
-            k, regs, maxt = _specialized(flat_kernels(fmt, cfg)[0], args)
+        if dec[0] in "pq":
+            k, regs, maxt, smem = _specialized_smem(flat_kernels(fmt, cfg)[0], args)
             if _cap(nt, maxt) * gj >= nch:
                 nt = _cap(nt, maxt)
-                k[pipe_grid(cdiv(int(lay_host[7]), gr) * slots.shape[0], nt, regs), nt, stream](
-                    *args)
+                k[pipe_grid(cdiv(int(lay_host[7]), gr) * slots.shape[0], nt, regs, smem), nt,
+                  stream](*args)
                 return
-            cfg = (dec.lstrip("p"),) + cfg[1:]        # a row too long for one pass: flat kernel
+            cfg = (_one_pass_fallback(dec),) + cfg[1:]   # a row too long for one pass: flat
         k, _, maxt = _specialized(flat_kernels(fmt, cfg)[0], args)
         k[(cdiv(int(lay_host[7]), gr), slots.shape[0]), _cap(nt, maxt), stream](*args)
         return
@@ -1266,13 +1627,13 @@ def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, acc
         total = slots.shape[0] * (int(lay_host[9]) // CHUNK[fmt])
         nt = _threads_for(total, dj)
         args = (b64, b8, bf, lay, slots, weights, act, out, acc)
-        if dec.startswith("p"):
-            k, regs, maxt = _specialized(flat_kernels(fmt, cfg)[1], args)
+        if dec[0] in "pq":
+            k, regs, maxt, smem = _specialized_smem(flat_kernels(fmt, cfg)[1], args)
             if _cap(nt, maxt) * dj >= total:
                 nt = _cap(nt, maxt)
-                k[pipe_grid(cdiv(int(lay_host[6]), dr), nt, regs), nt, stream](*args)
+                k[pipe_grid(cdiv(int(lay_host[6]), dr), nt, regs, smem), nt, stream](*args)
                 return
-            cfg = (dec.lstrip("p"),) + cfg[1:]
+            cfg = (_one_pass_fallback(dec),) + cfg[1:]
         k, _, maxt = _specialized(flat_kernels(fmt, cfg)[1], args)
         k[cdiv(int(lay_host[6]), dr), _cap(nt, maxt), stream](*args)
         return

@@ -84,3 +84,15 @@ def _map_slots(ids, slot_of, slots):
 
 def map_slots(ids, slot_of, slots, stream):
     _map_slots[1, 64, stream](ids, slot_of, slots)
+
+
+@cuda.jit
+def _zero(x):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        x[i] = float32(0.0)
+
+
+def zero(x, stream):
+    """x [n] = 0 (pass .reshape(-1) of a contiguous array): clears state per request."""
+    _zero[cdiv(x.shape[0], THREADS), THREADS, stream](x)

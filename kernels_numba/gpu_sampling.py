@@ -54,7 +54,7 @@ def _router_topk(logits, norm, ids, weights):
         bi = int32(E)
         for e in range(lane, E, WARP):
             v = buf[e]
-            if v > bv:
+            if v > bv or bi == E:   # NaN logits still give an id in range
                 bv = v
                 bi = e
         bv, bi = warp_argmax(bv, bi, red, red_i)
