@@ -10,6 +10,7 @@
 # Steps carry their own time limits (about 390 s in all) and the script goes on after a failed
 # step, so one call brings every result home; the exit status says whether any step failed.
 #
+# SKIP_TESTS=1: leave step 1 out (the caller ran the tests); SKIP_SYNTH=1: MODEL is already written.
 # LAYERS: layers of the synthetic model, default 24 of the preset's 48 (an arena of ~22 GB).
 # The whole preset writes ~44 GB: its synth (~1.4 GB/s buffered), the page-cache flush before the
 # cold run and the prefill's cold read of every expert take ~150 s on their own at ~1.4 GB/s and
@@ -36,7 +37,7 @@ echo "== versions"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt" || true
 python3 -c "import sys, numpy, numba, numba_cuda, torch, transformers; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
-step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_hybrid.py -rfEs
+[ -n "${SKIP_TESTS:-}" ] || step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_hybrid.py -rfEs
 step bench_layer 45 python3 asv_bench/benchmarks/bench_cuda_hybrid.py "$OUT/bench_hybrid.json"
 
 # the arena needs ~0.91 GB a layer plus ~1.5 GB of dense weights: fewer layers if the disk is short
@@ -47,7 +48,7 @@ if [ "$fit" -lt "$LAYERS" ]; then
     LAYERS=$fit
 fi
 echo "== synthetic qwen3-next-80b-a3b: $LAYERS of 48 layers, nvfp4 experts (${free_gb} GB free)"
-step synth 75 python3 -m engine.synth qwen3-next-80b-a3b "$MODEL" --experts nvfp4 --layers "$LAYERS" --force
+[ -n "${SKIP_SYNTH:-}" ] || step synth 75 python3 -m engine.synth qwen3-next-80b-a3b "$MODEL" --experts nvfp4 --layers "$LAYERS" --force
 step gpu_stream 130 python3 -m engine.bench gpu-stream --model "$MODEL" --vram-gb 8 --ram-gb 16 \
     --tokens 64 --prompt-len 256 --route uniform --out "$OUT/qn_stream.json"
 rm -rf "$MODEL"
