@@ -29,7 +29,7 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
     """Device bytes of the activations for a prefill chunk of t tokens (Buffers below) and the
     logits: what the planner reserves beside the KV cache."""
     from kernels_numba.gpu_attention import num_splits
-    return 4 * (t * (6 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts)
+    return 4 * (t * (5 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts)
                 + t * c.top_k * (c.moe_intermediate + c.hidden) + c.vocab_size * 2
                 + t * c.n_heads * num_splits(max_context) * (c.head_dim + 2))
 
@@ -60,7 +60,6 @@ class Buffers:
         self.rl = cuda.device_array((t, c.n_experts), f)         # router logits [T, E]
         self.ids = cuda.device_array((t, c.top_k), np.int32)     # [T, K]
         self.w = cuda.device_array((t, c.top_k), f)
-        self.moe = cuda.device_array((t, c.hidden), f)
         a = t * c.top_k
         self.act = cuda.device_array((a, c.moe_intermediate), f)  # [A, I]
         self.y = cuda.device_array((a, c.hidden), f)              # [A, H]
@@ -380,9 +379,9 @@ class GpuDecoder:
             gm.map_slots(b.ids, self.slot_of_d[l], self.slots_d[l], cs)
         else:
             self.slots_d[l].copy_to_device(self.slots_h[l], stream=cs)
+        # the down kernel adds into the residual stream itself (x + moe, one add as before)
         gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0], b.h[0],
-                      b.act[:c.top_k], b.moe[0], cs)
-        gd.add(b.x.reshape(-1), b.moe[0], b.x.reshape(-1), cs)
+                      b.act[:c.top_k], b.x.reshape(-1), cs, accumulate=True)
 
     def _seg_head(self):
         b, c, cs = self.one, self.c, self.cs
@@ -567,8 +566,6 @@ class GpuDecoder:
             self._seg_experts(l, False)
             return
         self._moe_grouped(l, b, t, ids)
-        x = b.x[:t]
-        gd.add(x.reshape(-1), b.moe[:t].reshape(-1), x.reshape(-1), self.cs)
 
     def _moe_grouped(self, l, b, t, ids):
         """Prefill: each expert read once for the chunk, in batches whose copies overlap compute."""
@@ -593,7 +590,7 @@ class GpuDecoder:
             evt.record(cs)
             prev2_evt, prev_evt = prev_evt, evt
             prev_keys = {(l, int(e)) for e in experts[g0:g1]}
-        gx.combine(b.y[:a], dev.pos, b.moe[:t], cs)
+        gx.combine(b.y[:a], dev.pos, b.x[:t], cs, accumulate=True)   # x += the experts' sum
         cs.synchronize()   # host arrays above are reused by the next layer
 
 
