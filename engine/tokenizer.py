@@ -86,27 +86,32 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences.
+
+    Decodes a short window, not the whole list, each token (the whole list made a long reply
+    quadratic): the text of ids[prefix:] minus the text of ids[prefix:read], the ids already
+    shown, so a tokenizer that drops a leading space at the window's start drops it from both."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix = 0   # window start: the last piece's first id
+        self.read = 0     # ids before this are shown
 
     def push(self, tid: int) -> str:
         self.ids.append(tid)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return piece
+        shown = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) <= len(shown) or text.endswith("\ufffd"):
+            return ""   # nothing new, or a character still incomplete
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(shown):]
 
     def flush(self) -> str:
-        text = self.tok.decode(self.ids)
-        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return piece
+        shown = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(shown):]
 
 
 def load_tokenizer(model_dir: Path, tokenizer_json: Path) -> Tokenizer:

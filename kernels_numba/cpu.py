@@ -294,13 +294,15 @@ def sample_logits(logits, temperature, top_k, top_p, u):
     if top_k <= 0 and top_p >= 1.0:
         # nothing is cut: any fixed order gives the same distribution, and vocabulary order
         # needs no sort (a flat distribution would otherwise sort most of the vocabulary)
+        e = np.empty(v, dtype=np.float64)   # each exp once (they are most of the cost)
         tot = 0.0
         for j in range(v):
-            tot += math.exp((np.float64(logits[j]) - m) / temperature)
+            e[j] = math.exp((np.float64(logits[j]) - m) / temperature)
+            tot += e[j]
         target = u * tot
         c = 0.0
         for j in range(v):
-            c += math.exp((np.float64(logits[j]) - m) / temperature)
+            c += e[j]
             if c > target:
                 return j
         return v - 1
