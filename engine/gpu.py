@@ -145,7 +145,9 @@ class GpuDecoder:
         self.ids_all_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)       # decode routing
         self.spec_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)          # predicted routing
         # off by default: on the H200 run of 2026-11-30 decode with it was slower (13.8 vs 51.6
-        # tok/s at --vram-gb 8 --ram-gb 32), cause not yet isolated; --speculate turns it on
+        # tok/s at --vram-gb 8 --ram-gb 32) at 0.77 accuracy, cause not yet isolated; since then
+        # the compute stream waits only for predicted copies it reads, and copies pause while
+        # predictions miss (VramResidency.spec_useful); --speculate turns it on
         self.speculate = speculate
         self.route_override = None   # benchmarks: replace routing (host side) to force streaming
         # per MoE layer: (dense done, copies done) events, timing the H2D stall of streamed decode

@@ -94,6 +94,7 @@ class VramResidency:
         self._evt = cuda.event()
         self._copy = h2d_copier(self.bank, copy_stream)
         self._spec: dict = {}       # layer -> (event, predicted keys, keys copied on the prediction)
+        self.spec_recent = 1.0      # running accuracy of the predictions (starts trusting them)
 
     @property
     def n_slots(self) -> int:
@@ -157,13 +158,25 @@ class VramResidency:
         self.stats.host_wait_s += time.perf_counter() - t
         return blocks
 
-    def speculate(self, layer: int, predicted, protect=()) -> None:
+    SPEC_MIN_ACCURACY = 0.5   # below this (recent layers) predictions are only scored, not copied
+    SPEC_DECAY = 0.05         # weight of the newest layer in the running accuracy
+
+    @property
+    def spec_useful(self) -> bool:
+        """Whether recent predictions hit often enough to pay for their copies: a wrong copy
+        evicts a slot and delays the layer's demand copies queued behind it."""
+        return self.spec_recent >= self.SPEC_MIN_ACCURACY
+
+    def speculate(self, layer: int, predicted, protect=(), copy: bool | None = None) -> None:
         """Start copies for a layer's predicted experts, taking only blocks already in host RAM
-        (the rest become host prefetches), so a prediction never waits on the disk."""
+        (the rest become host prefetches), so a prediction never waits on the disk. With copy
+        False (default: while recent accuracy is low) the prediction is only scored at resolve."""
         keys = [(layer, int(e)) for e in predicted]
         keep = set(protect) | set(keys)
         todo = []
-        for key in keys:
+        if copy is None:
+            copy = self.spec_useful
+        for key in keys if copy else ():
             if key in self.slot_of:
                 continue
             if self.host.contains(*key):
@@ -193,7 +206,9 @@ class VramResidency:
             self.stats.spec_routed += len(routed)
             self.stats.spec_predicted += len(routed & predicted)
             self.stats.spec_wasted_bytes += len(copied - routed) * self.block_bytes
-            if evt is not None:
+            a = len(routed & predicted) / max(len(routed), 1)
+            self.spec_recent += self.SPEC_DECAY * (a - self.spec_recent)
+            if evt is not None and routed & copied:   # wait only for copies this layer reads
                 evt.wait(self.cs)
         missing = []
         for key in keys:

@@ -6,7 +6,7 @@ from engine.residency import ResidencyError, VramResidency
 
 B = 64
 rng = np.random.default_rng()
-BLOCKS = {(l, e): rng.integers(0, 256, B, dtype=np.uint8) for l in range(3) for e in range(8)}
+BLOCKS = {(l, e): rng.integers(0, 256, B, dtype=np.uint8) for l in range(64) for e in range(8)}
 
 
 class Host:
@@ -71,6 +71,27 @@ def main():
     st = r.stats.as_dict()
     assert st["spec_routed"] == 2 and st["spec_predicted"] == 1 and st["spec_copies"] == 2
     assert st["spec_wasted_bytes"] == B and abs(st["spec_accuracy"] - 0.5) < 1e-9
+    bank_matches(r)
+
+    # predictions that keep missing stop costing copies, but are still scored, and copying
+    # resumes once they hit again
+    host = Host(in_ram={(l, e) for l in range(40) for e in range(8)})
+    r = VramResidency(12, B, host, xs, cs)
+    layer = 0
+    while r.spec_useful:
+        r.speculate(layer, [6, 7])
+        r.resolve(layer, [0, 1])
+        layer += 1
+    copies = r.stats.spec_copies
+    assert 0 < layer < 30 and copies == 2 * layer
+    r.speculate(layer, [6, 7])
+    assert r.stats.spec_copies == copies and (layer, 6) not in r.slot_of
+    r.resolve(layer, [6, 7])
+    while not r.spec_useful:
+        layer += 1
+        r.speculate(layer, [0, 1])
+        r.resolve(layer, [0, 1])
+    assert r.stats.spec_routed == 2 * (layer + 1) and r.stats.spec_copies == copies
     bank_matches(r)
     print("OK")
 
