@@ -20,9 +20,11 @@ families, chosen by `variant` (DEFAULT_VARIANT per format; see parse_variant): t
     down:    grid (cdiv(H, 2 * warps)): a warp owns two output rows over all K experts
              (chunks of every expert's row flattened over the lanes), so out [H] needs no
              atomics: out = (out if accumulate) + sum_k w_k * down_k @ act_k
-Prefill (grouped): assignments sorted by expert, one pass over each expert's weights for all
-its tokens, in tiles of TT tokens: gate_up -> act [A, I]; down -> y [A, H] (weighted);
-combine -> out [T, H] = sum over a token's K assignments (no atomics).
+Prefill (grouped): assignments sorted by expert, gate_up -> act [A, I]; down -> y [A, H]
+(weighted); combine -> out [T, H] = sum over a token's K assignments (no atomics). Two kernel
+pairs, chosen by GROUPED_VARIANT: "tiled" (GEMM-style blocks of GT_BR weight rows x GT_BT tokens
+of one expert, each weight decoded once a token tile into shared memory; see its section) and
+"legacy" (a warp a row pair, tiles of TT tokens, each weight decoded once every TT tokens).
 """
 from __future__ import annotations
 
@@ -1422,6 +1424,311 @@ def combine_kernel(y, pos, out, accumulate):
         out[t, h] = s + (out[t, h] if accumulate else float32(0.0))
 
 
+# ---- prefill, "tiled" grouped kernels: one dequantized weight tile serves BT tokens --------------
+#
+# A block owns GT_BR weight rows x GT_BT assignments of ONE group (expert). The inner dimension
+# (Hs for gate_up, Is for down) goes in steps of GT_BK columns: the GT_BR x GT_BK weight chunk
+# is decoded once into shared memory as float32 (chunk scale applied; global and row scales
+# wait for the epilogue), the GT_BT x GT_BK activations are gathered next to it, and each of
+# the GT_TX x GT_TY threads accumulates GT_RW rows x GT_TW tokens in registers (rows
+# tx + GT_TX * i, tokens ty + GT_TY * j: a warp reads 16 consecutive weights and 2 broadcast
+# activations per step, no bank conflicts). The next step's 8-byte weight loads, scale bytes
+# and activations are issued before the current step's FMAs (register prefetch).
+#     gate_up: tile rows 0..BR/2-1 are gate rows r0.., BR/2..BR-1 the same up rows, so the
+#              epilogue writes act[a, r] = silu(g) * u (no routing weight, as legacy);
+#              grid (token-tile slots, cdiv(I, BR/2))
+#     down:    tile rows are down rows r0..; y[a, r] = wts[a] * gd * row scale * sum;
+#              grid (token-tile slots, cdiv(H, BR))
+# Token-tile slots: group g owns slots ts(g) .. ts(g+1)-1, ts(g) = (gstart[g] - gstart[0]) // BT
+# + g, which is at least cdiv(tokens of g, BT) of them (floor(a + b) - floor(a) >= floor(b)), so
+# grid.x = A // BT + G covers any routing with at most one idle slot a group; a block finds its
+# group by binary search over gstart and leaves at once when its slot is idle.
+
+GT_TX = 4 if SIM else 16                     # threads along weight rows
+GT_TY = 4 if SIM else 16                     # threads along tokens
+GT_RW = 2 if SIM else 8                      # weight rows a thread (gate_up: half gate, half up)
+GT_TW = 2 if SIM else 4                      # tokens a thread
+GT_BK = 16 if SIM else 32                    # inner columns a step, a multiple of every CHUNK
+GT_KU = 4                                    # of those, columns an unrolled inner iteration
+GT_THREADS = GT_TX * GT_TY
+GT_MIN_BLOCKS = 2                            # launch bounds: registers capped for 2 blocks an SM
+GT_BR = GT_TX * GT_RW                        # weight rows a tile (gate_up: GT_BR / 2 act rows)
+GT_BT = GT_TY * GT_TW                        # tokens a tile
+GT_BRP = GT_BR + 1                           # shared row strides, padded: the decode's stores
+GT_BTP = GT_BT + 1                           # and the gather's stores hit distinct banks
+GT_WS = GT_BK * GT_BRP                       # shared floats of the weight tile [BK, BR + 1]
+GT_XS = GT_BK * GT_BTP                       # shared floats of the activations [BK, BT + 1]
+GT_XQ = GT_BT * GT_BK // GT_THREADS          # activations a thread stages a step
+GT_ACC = GT_RW * GT_TW                       # accumulators a thread
+GT_SHARED = 4 * (GT_WS + GT_XS + GT_BT)      # static shared bytes a block (25,088 on the GPU)
+assert GT_BK % 16 == 0 and GT_KU == 4 and GT_RW % 2 == 0 and GT_XQ * GT_THREADS == GT_BT * GT_BK
+assert GT_SHARED <= SHARED_LIMIT
+GROUPED_VARIANT = "tiled"                    # grouped_gate_up_down's kernels: "tiled" or "legacy"
+
+
+@cuda.jit(device=True, inline=True)
+def _sb_nvfp4(bank8, slot, soff, r, nch, j):
+    return uint32(bank8[slot, soff + r * nch + j])
+
+
+@cuda.jit(device=True, inline=True)
+def _sb_none(bank8, slot, soff, r, nch, j):
+    return uint32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _sv_e4m3(b):
+    return _e4m3(b)
+
+
+@cuda.jit(device=True, inline=True)
+def _sv_one(b):
+    return float32(1.0)
+
+
+# format -> (decode of an 8-byte chunk, its scale byte, that byte's value, the row scale)
+_TILED_PARTS = {
+    "nvfp4": (_dec_nvfp4_arith, _sb_nvfp4, _sv_e4m3, _rs_one),
+    "fp8": (_dec_fp8, _sb_none, _sv_one, _rs_fp8),
+    "bf16": (_dec_bf16, _sb_none, _sv_one, _rs_one),
+}
+
+
+@cuda.jit(device=True, inline=True)
+def _tile_of(gstart, G, j):
+    """Token-tile slot j -> (group, first assignment, end); first >= end for an idle slot."""
+    base = gstart[0]
+    lo = 0
+    hi = G
+    while hi - lo > 1:                        # the last g with ts(g) <= j (ts(0) = 0)
+        mid = (lo + hi) // 2
+        if (gstart[mid] - base) // GT_BT + mid <= j:
+            lo = mid
+        else:
+            hi = mid
+    t = j - ((gstart[lo] - base) // GT_BT + lo)
+    a_lo = gstart[lo] + t * GT_BT
+    return lo, a_lo, min(a_lo + GT_BT, gstart[lo + 1])
+
+
+def _make_tiled(fmt: str):
+    """(grouped gate_up, grouped down) of the tiled family for one format."""
+    CW = CHUNK[fmt]
+    CPR = GT_BK // CW                         # chunks of a tile row a step
+    CHUNKS = GT_BR * CPR
+    NQ = cdiv(CHUNKS, GT_THREADS)             # 8-byte weight loads a thread a step
+    decode, scale_byte, scale_val, row_scale = _TILED_PARTS[fmt]
+    jit = cuda.jit if SIM else cuda.jit(launch_bounds=(GT_THREADS, GT_MIN_BLOCKS))
+
+    @cuda.jit(device=True, inline=True)
+    def load_w(bank64, bank8, slot, qa, sa, qb, sb, half, r0, R, nch, k0, wq, sq):
+        """The next step's chunks into registers: tile row rr < half is row r0 + rr of section
+        (qa, sa), else row r0 + rr - half of section (qb, sb); rows >= R and chunks past the
+        row's end load as zeros."""
+        tid = cuda.threadIdx.x
+        for q in range(NQ):
+            e = tid + q * GT_THREADS
+            rr = e // CPR
+            j = k0 // CW + e - rr * CPR
+            qo = qa
+            so = sa
+            if rr >= half:
+                rr -= half
+                qo = qb
+                so = sb
+            r = r0 + rr
+            wq[q] = uint64(0)
+            sq[q] = uint32(0)
+            if e < CHUNKS and r < R and j < nch:
+                wq[q] = bank64[slot, qo // 8 + r * nch + j]
+                sq[q] = scale_byte(bank8, slot, so, r, nch, j)
+
+    @cuda.jit(device=True, inline=True)
+    def store_w(ws, wq, sq, v):
+        """Decode the prefetched chunks into ws [BK, BRP] (column-major tile: k, then row)."""
+        tid = cuda.threadIdx.x
+        for q in range(NQ):
+            e = tid + q * GT_THREADS
+            if e < CHUNKS:
+                rr = e // CPR
+                c0 = (e - rr * CPR) * CW
+                decode(wq[q], ws, v)
+                s = scale_val(sq[q])
+                for t in range(CW):
+                    ws[(c0 + t) * GT_BRP + rr] = v[t] * s
+
+    @cuda.jit(device=True, inline=True)
+    def mma1(ws, xs, wb, xb, acc, wr, xr):
+        """acc += one column: weights ws[wb + TX * i], activations xs[xb + TY * j]."""
+        for i in range(GT_RW):
+            wr[i] = ws[wb + uint64(GT_TX * i)]
+        for j in range(GT_TW):
+            xr[j] = xs[xb + uint64(GT_TY * j)]
+        for i in range(GT_RW):
+            for j in range(GT_TW):
+                acc[i * GT_TW + j] += wr[i] * xr[j]
+
+    @cuda.jit(device=True, inline=True)
+    def mma(ws, xs, acc, wr, xr):
+        """acc [RW, TW] += the tile's rows x tokens over one step of BK columns. Unsigned
+        indices: numba adds no negative-index wrap-around, so each shared load is one
+        instruction with its offset folded in; KU columns an iteration (unrolled)."""
+        tid = cuda.threadIdx.x
+        wb = uint64(tid % GT_TX)
+        xb = uint64(tid // GT_TX)
+        for _ in range(GT_BK // GT_KU):            # GT_KU = 4 columns, written out
+            mma1(ws, xs, wb, xb, acc, wr, xr)
+            mma1(ws, xs, wb + uint64(GT_BRP), xb + uint64(GT_BTP), acc, wr, xr)
+            mma1(ws, xs, wb + uint64(2 * GT_BRP), xb + uint64(2 * GT_BTP), acc, wr, xr)
+            mma1(ws, xs, wb + uint64(3 * GT_BRP), xb + uint64(3 * GT_BTP), acc, wr, xr)
+            wb += uint64(GT_KU * GT_BRP)
+            xb += uint64(GT_KU * GT_BTP)
+
+    @jit
+    def tiled_gate_up(bank64, bank8, bankf, lay, gslot, gstart, order, x, act):
+        """x float32 [T, H] -> act float32 [A, I] = silu(gate @ x[order[a]]) * (up @ x[order[a]]);
+        grid (A // BT + G, cdiv(I, BR / 2)), GT_THREADS threads."""
+        ws = cuda.shared.array(GT_WS, float32)   # [BK, BR + 1] decoded weights
+        xs = cuda.shared.array(GT_XS, float32)   # [BK, BT + 1] gathered x rows
+        tok = cuda.shared.array(GT_BT, int32)             # [BT] token of each tile column
+        g, a_lo, a_hi = _tile_of(gstart, gslot.shape[0], cuda.blockIdx.x)
+        if a_lo >= a_hi:
+            return
+        tid = cuda.threadIdx.x
+        slot = gslot[g]
+        H = lay[6]
+        I = lay[7]
+        Hs = lay[8]
+        nch = Hs // CW
+        half = GT_BR // 2
+        r0 = cuda.blockIdx.y * half
+        nt = a_hi - a_lo
+        for e in range(tid, GT_BT, GT_THREADS):           # idle columns repeat the last token
+            tok[e] = order[a_lo + min(e, nt - 1)]
+        v = cuda.local.array(CW, float32)
+        wq = cuda.local.array(NQ, uint64)
+        sq = cuda.local.array(NQ, uint32)
+        xv = cuda.local.array(GT_XQ, float32)
+        wr = cuda.local.array(GT_RW, float32)
+        xr = cuda.local.array(GT_TW, float32)
+        acc = cuda.local.array(GT_ACC, float32)
+        for q in range(GT_ACC):
+            acc[q] = float32(0.0)
+        cuda.syncthreads()
+        load_w(bank64, bank8, slot, lay[0], lay[1], lay[2], lay[3], half, r0, I, nch, 0, wq, sq)
+        for q in range(GT_XQ):
+            e = tid + q * GT_THREADS
+            tt = e // GT_BK
+            c = e - tt * GT_BK
+            xv[q] = x[tok[tt], c] if c < H else float32(0.0)
+        for k0 in range(0, Hs, GT_BK):
+            store_w(ws, wq, sq, v)
+            for q in range(GT_XQ):
+                e = tid + q * GT_THREADS
+                tt = e // GT_BK
+                xs[(e - tt * GT_BK) * GT_BTP + tt] = xv[q]
+            cuda.syncthreads()
+            k1 = k0 + GT_BK
+            if k1 < Hs:                                   # prefetch the next step
+                load_w(bank64, bank8, slot, lay[0], lay[1], lay[2], lay[3], half, r0, I, nch,
+                       k1, wq, sq)
+                for q in range(GT_XQ):
+                    e = tid + q * GT_THREADS
+                    tt = e // GT_BK
+                    c = k1 + e - tt * GT_BK
+                    xv[q] = x[tok[tt], c] if c < H else float32(0.0)
+            mma(ws, xs, acc, wr, xr)
+            cuda.syncthreads()
+        tx = tid % GT_TX
+        ty = tid // GT_TX
+        gg = bankf[slot, 0]
+        gu = bankf[slot, 1]
+        for i in range(GT_RW // 2):
+            r = r0 + tx + GT_TX * i
+            if r < I:
+                sg = gg * row_scale(bankf, slot, lay[1], r)
+                su = gu * row_scale(bankf, slot, lay[3], r)
+                for j in range(GT_TW):
+                    tt = ty + GT_TY * j
+                    if tt < nt:
+                        act[a_lo + tt, r] = silu(acc[i * GT_TW + j] * sg) * \
+                            (acc[(i + GT_RW // 2) * GT_TW + j] * su)
+
+    @jit
+    def tiled_down(bank64, bank8, bankf, lay, gslot, gstart, wts, act, y):
+        """act float32 [A, I] -> y float32 [A, H] = wts[a] * down @ act[a];
+        grid (A // BT + G, cdiv(H, BR)), GT_THREADS threads."""
+        ws = cuda.shared.array(GT_WS, float32)   # [BK, BR + 1] decoded weights
+        xs = cuda.shared.array(GT_XS, float32)   # [BK, BT + 1] act rows
+        g, a_lo, a_hi = _tile_of(gstart, gslot.shape[0], cuda.blockIdx.x)
+        if a_lo >= a_hi:
+            return
+        tid = cuda.threadIdx.x
+        slot = gslot[g]
+        H = lay[6]
+        I = lay[7]
+        Is = lay[9]
+        nch = Is // CW
+        r0 = cuda.blockIdx.y * GT_BR
+        nt = a_hi - a_lo
+        v = cuda.local.array(CW, float32)
+        wq = cuda.local.array(NQ, uint64)
+        sq = cuda.local.array(NQ, uint32)
+        xv = cuda.local.array(GT_XQ, float32)
+        wr = cuda.local.array(GT_RW, float32)
+        xr = cuda.local.array(GT_TW, float32)
+        acc = cuda.local.array(GT_ACC, float32)
+        for q in range(GT_ACC):
+            acc[q] = float32(0.0)
+        load_w(bank64, bank8, slot, lay[4], lay[5], lay[4], lay[5], GT_BR, r0, H, nch, 0, wq, sq)
+        for q in range(GT_XQ):
+            e = tid + q * GT_THREADS
+            tt = e // GT_BK
+            c = e - tt * GT_BK
+            xv[q] = act[a_lo + min(tt, nt - 1), c] if c < I else float32(0.0)
+        for k0 in range(0, Is, GT_BK):
+            store_w(ws, wq, sq, v)
+            for q in range(GT_XQ):
+                e = tid + q * GT_THREADS
+                tt = e // GT_BK
+                xs[(e - tt * GT_BK) * GT_BTP + tt] = xv[q]
+            cuda.syncthreads()
+            k1 = k0 + GT_BK
+            if k1 < Is:                                   # prefetch the next step
+                load_w(bank64, bank8, slot, lay[4], lay[5], lay[4], lay[5], GT_BR, r0, H, nch,
+                       k1, wq, sq)
+                for q in range(GT_XQ):
+                    e = tid + q * GT_THREADS
+                    tt = e // GT_BK
+                    c = k1 + e - tt * GT_BK
+                    xv[q] = act[a_lo + min(tt, nt - 1), c] if c < I else float32(0.0)
+            mma(ws, xs, acc, wr, xr)
+            cuda.syncthreads()
+        tx = tid % GT_TX
+        ty = tid // GT_TX
+        gd = bankf[slot, 2]
+        for i in range(GT_RW):
+            r = r0 + tx + GT_TX * i
+            if r < H:
+                s = gd * row_scale(bankf, slot, lay[5], r)
+                for j in range(GT_TW):
+                    tt = ty + GT_TY * j
+                    if tt < nt:
+                        y[a_lo + tt, r] = wts[a_lo + tt] * s * acc[i * GT_TW + j]
+
+    return tiled_gate_up, tiled_down
+
+
+_TILED = {}
+
+
+def tiled_kernels(fmt: str):
+    """(grouped gate_up, grouped down) of the tiled family, built once per format."""
+    if fmt not in _TILED:
+        _TILED[fmt] = _make_tiled(fmt)
+    return _TILED[fmt]
+
+
 _KERNELS = {fmt: _make_kernels(fmt) for fmt in CHUNK}   # fmt -> the four kernels (compiled lazily)
 
 
@@ -1678,13 +1985,33 @@ def group_assignments(ids: np.ndarray, weights: np.ndarray, slot_of):
     return gslot, gstart, order, wts, pos.reshape(t, k)
 
 
-def grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x, act, y, stream):
+def tiled_grid_x(a: int, groups: int) -> int:
+    """Token-tile slots of the tiled kernels for at most a assignments in `groups` groups."""
+    return a // GT_BT + groups
+
+
+def grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x, act, y, stream,
+                         variant=""):
     """The grouped gate_up and down kernels over groups gslot int32 [G] with offsets gstart
     int32 [G + 1] (absolute assignment indices, so a slice of the groups can run alone):
-    x [T, H] -> act [A, I] -> y [A, H] = wts[a] * expert(x[order[a]]) for those assignments."""
-    _, _, ggu, gdn = get_kernels(fmt)
+    x [T, H] -> act [A, I] -> y [A, H] = wts[a] * expert(x[order[a]]) for those assignments.
+    variant: "tiled" or "legacy" ("" = GROUPED_VARIANT). Nothing allocated, no sync."""
     b64, b8, bf = views
     g = gslot.shape[0]
+    v = variant or GROUPED_VARIANT
+    if v == "tiled":
+        if g == 0:
+            return
+        tgu, tdn = tiled_kernels(fmt)
+        gx = tiled_grid_x(order.shape[0], g)
+        tgu[(gx, cdiv(int(lay_host[7]), GT_BR // 2)), GT_THREADS, stream](
+            b64, b8, bf, lay, gslot, gstart, order, x, act)
+        tdn[(gx, cdiv(int(lay_host[6]), GT_BR)), GT_THREADS, stream](
+            b64, b8, bf, lay, gslot, gstart, wts, act, y)
+        return
+    if v != "legacy":
+        raise ValueError(f"unknown grouped expert kernel variant {v!r}; expected tiled or legacy")
+    _, _, ggu, gdn = get_kernels(fmt)
     ggu[gate_up_grid(lay_host, g), THREADS, stream, gate_up_shared_bytes(fmt, lay_host, TT)](
         b64, b8, bf, lay, gslot, gstart, order, x, act)
     cw = CHUNK[fmt]
@@ -1699,7 +2026,8 @@ def combine(y, pos, out, stream, accumulate=False):
 
 
 def expert_mlp_grouped(fmt, views, lay, lay_host, gslot, gstart, order, wts, pos, x, act, y,
-                       out, stream, accumulate=False):
+                       out, stream, accumulate=False, variant=""):
     """T tokens (prefill): x [T, H] -> out [T, H]; act [A, I], y [A, H] scratch (A = T*K)."""
-    grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x, act, y, stream)
+    grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x, act, y, stream,
+                         variant)
     combine(y, pos, out, stream, accumulate)

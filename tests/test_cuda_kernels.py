@@ -99,7 +99,7 @@ def check_experts(fmt, h, i, k, slots, rng, bank=None, variant="", accumulate=Tr
     return e1
 
 
-def check_experts_grouped(fmt, h, i, k, t, n_exp, rng):
+def check_experts_grouped(fmt, h, i, k, t, n_exp, rng, variant=""):
     from kernels_numba import gpu_experts as ge
     stream = cuda.stream()
     dbank, lay, ws = make_bank(fmt, h, i, n_exp, rng)
@@ -113,9 +113,63 @@ def check_experts_grouped(fmt, h, i, k, t, n_exp, rng):
     act, y, out = _nan((a, i)), _nan((a, h)), _nan((t, h))
     ge.expert_mlp_grouped(fmt, views, cuda.to_device(lh), lh, cuda.to_device(gslot),
                           cuda.to_device(gstart), cuda.to_device(order), cuda.to_device(aw),
-                          cuda.to_device(pos), cuda.to_device(x), act, y, out, stream)
+                          cuda.to_device(pos), cuda.to_device(x), act, y, out, stream,
+                          variant=variant)
     stream.synchronize()
-    return _close(out.copy_to_host(), ref.moe(x, ids, wts, ws), what=f"grouped {fmt}")
+    return _close(out.copy_to_host(), ref.moe(x, ids, wts, ws), what=f"grouped {fmt} {variant}")
+
+
+def _grouped_routing(t, k, n_exp, rng):
+    """ids int32 [T, K], weights float32 [T, K] with the group shapes the tiled kernels must
+    survive: expert 0 takes every token (more than one token tile when T > GT_BT, the last one
+    partial), expert 1 exactly one token, the rest drawn at random (distinct within a token)."""
+    assert n_exp >= k + 2 and t >= 2
+    ids = np.empty((t, k), np.int32)
+    for tt in range(t):
+        rest = 2 + rng.permutation(n_exp - 2)
+        ids[tt] = np.concatenate([[0], [1] if tt == 1 else rest[:1], rest[1:k - 1]])[:k]
+    w = rng.random((t, k)).astype(np.float32) + np.float32(0.1)
+    return ids, (w / w.sum(1, keepdims=True)).astype(np.float32)
+
+
+def check_grouped_parts(fmt, h, i, k, t, n_exp, rng, variant, bank=None, batches=2):
+    """grouped_gate_up_down alone, act and y against the oracle assignment by assignment:
+    experts in shuffled bank slots, the groups launched in `batches` slices (absolute gstart
+    offsets, as the engine's prefill batches do), act / y poisoned first; then combine."""
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = bank or make_bank(fmt, h, i, n_exp + 2, rng)
+    lh = lay.as_array()
+    views = ge.bank_views(dbank)
+    slot_of = rng.permutation(len(ws))[:n_exp]
+    ids, wts = _grouped_routing(t, k, n_exp, rng)
+    gslot, gstart, order, aw, pos = ge.group_assignments(ids, wts, lambda e: slot_of[e])
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    a = t * k
+    act, y, out = _nan((a, i)), _nan((a, h)), _nan((t, h))
+    dlay, dgs, dst = cuda.to_device(lh), cuda.to_device(gslot), cuda.to_device(gstart)
+    dord, daw, dx = cuda.to_device(order), cuda.to_device(aw), cuda.to_device(x)
+    cuts = np.linspace(0, len(gslot), batches + 1).astype(int)
+    for g0, g1 in zip(cuts[:-1], cuts[1:]):
+        ge.grouped_gate_up_down(fmt, views, dlay, lh, dgs[g0:g1], dst[g0:g1 + 1], dord, daw, dx,
+                                act, y, stream, variant=variant)
+    ge.combine(y, cuda.to_device(pos), out, stream)
+    stream.synchronize()
+    eact = np.empty((a, i))
+    ey = np.empty((a, h))
+    x64 = x.astype(np.float64)
+    for g, s in enumerate(gslot):
+        gw, uw, dw = (m.astype(np.float64) for m in ws[s])
+        sl = slice(gstart[g], gstart[g + 1])
+        xa = x64[order[sl]]
+        eact[sl] = ref.silu(xa @ gw.T) * (xa @ uw.T)
+        ey[sl] = aw[sl, None] * (eact[sl] @ dw.T)
+    what = f"grouped {variant} {fmt} H={h} I={i} T={t} K={k}"
+    e1 = _close(act.copy_to_host(), eact, what=what + " act")
+    e2 = _close(y.copy_to_host(), ey, what=what + " y")
+    e3 = _close(out.copy_to_host(), ref.moe(x, ids, wts, [ws[s] for s in slot_of]),
+                what=what + " out")
+    return max(e1, e2, e3)
 
 
 def check_dense(rng, t, n, k, gemm_t, configs=(None,)):
@@ -296,8 +350,17 @@ def run_sim_checks() -> None:
         check_experts("nvfp4", 32, 16, 2, 3, rng, variant=v, accumulate=v == "legacy")
         print(f"ok experts nvfp4 {v} {time.time() - t0:.0f}s", flush=True)
     for fmt in ("nvfp4", "bf16"):
-        check_experts_grouped(fmt, 32, 16, 2, 3, 4, rng)
-        print(f"ok grouped {fmt} {time.time() - t0:.0f}s", flush=True)
+        check_experts_grouped(fmt, 32, 16, 2, 3, 4, rng, variant="legacy")
+        print(f"ok grouped legacy {fmt} {time.time() - t0:.0f}s", flush=True)
+    # tiled grouped kernels (tiles of GT_BR = 8 weight rows x GT_BT = 8 tokens x GT_BK = 16 here):
+    # 19 tokens in one group (3 token tiles, the last partial), a one-token group, two launches
+    # over slices of the groups; H and I not multiples of the row tiles (nvfp4) or of GT_BK (fp8,
+    # bf16); then the default path end to end
+    for fmt, h, i in (("nvfp4", 44, 22), ("fp8", 40, 24), ("bf16", 36, 20)):
+        check_grouped_parts(fmt, h, i, 3, 19, 6, rng, "tiled")
+        print(f"ok grouped tiled {fmt} {time.time() - t0:.0f}s", flush=True)
+    check_experts_grouped("fp8", 32, 16, 2, 5, 4, rng)
+    print(f"ok grouped default {time.time() - t0:.0f}s", flush=True)
     check_dense(rng, t=5, n=6, k=40, gemm_t=3, configs=(None, (2, 2, 2), (4, 1, 3)))
     print(f"ok dense {time.time() - t0:.0f}s", flush=True)
     check_norm_rope_embed(rng, t=2, nh=2, d=16, r=8, hidden=40, vocab=11)
@@ -352,6 +415,20 @@ def test_experts_gpu(fmt, h, i, k):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_experts_grouped_gpu(fmt):
     check_experts_grouped(fmt, 2048, 768, 8, 37, 16, np.random.default_rng(2))
+    check_experts_grouped(fmt, 2048, 768, 8, 37, 16, np.random.default_rng(2), variant="legacy")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("h,i,k,t,n_exp", [(2048, 768, 8, 300, 16), (2560, 640, 10, 150, 24),
+                                           (2000, 744, 8, 97, 12)])
+def test_grouped_parts_gpu(fmt, h, i, k, t, n_exp):
+    """Both grouped kernel pairs at real shapes (the last: H, I not multiples of the tiles)."""
+    rng = np.random.default_rng(8)
+    bank = make_bank(fmt, h, i, n_exp + 2, rng)
+    for v in ("tiled", "legacy"):
+        check_grouped_parts(fmt, h, i, k, t, n_exp, rng, v, bank=bank, batches=3)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,15 @@ the legacy kernels' output (max relative difference), so a fast but wrong varian
 
     python3 tools/sweep_experts.py OUT.json [--formats nvfp4,fp8] [--variants a,b]
     NUMBA_ENABLE_CUDASIM=1 python3 tools/sweep_experts.py OUT.json --sim   # tiny, no graphs
+
+--grouped times the prefill kernels instead (grouped_gate_up_down, variants "legacy" and
+"tiled"): T tokens (default 2048) routed top-K uniformly at random over E experts in a bank of E
+slots, the groups launched in slices of --group-batch (the engine's prefill batch), eager with
+events; ms per layer, expert TFLOP/s (T * K * 3 * H * I * 2 flops) and the max abs / relative
+difference of y [A, H] against the legacy kernels.
+
+    python3 tools/sweep_experts.py OUT.json --grouped [--tokens 2048] [--group-batch 32]
+    NUMBA_ENABLE_CUDASIM=1 python3 tools/sweep_experts.py OUT.json --grouped --sim
 """
 from __future__ import annotations
 
@@ -29,6 +38,10 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 8), "qwen3-next-80b": (2048, 512, 10),
           "2560x640-top10": (2560, 640, 10)}
 SIM_SHAPES = {"tiny": (48, 32, 3)}
 REPS = 20
+GROUPED_EXPERTS = {"qwen3-30b-a3b": 128, "qwen3-next-80b": 512, "2560x640-top10": 128,
+                   "tiny": 6}         # E of each shape for --grouped
+GROUPED_REPS = 5
+SIM_TOKENS = 12
 
 
 def main() -> int:
@@ -38,6 +51,11 @@ def main() -> int:
     ap.add_argument("--formats", default="nvfp4,fp8,bf16")
     ap.add_argument("--variants", default="", help="comma list (default: SWEEP of each format)")
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--grouped", action="store_true",
+                    help="time the prefill grouped kernels, legacy vs tiled")
+    ap.add_argument("--tokens", type=int, default=2048, help="--grouped: prompt tokens")
+    ap.add_argument("--group-batch", type=int, default=32,
+                    help="--grouped: expert groups a launch (the engine's prefill batch)")
     a = ap.parse_args()
     if a.sim:
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
@@ -59,6 +77,10 @@ def main() -> int:
         print(f"{res['device']}: d2d copy {res['copy_gbs']:.0f} GB/s", flush=True)
     copy = res.get("copy_gbs", 1.0)
     shapes = SIM_SHAPES if a.sim else SHAPES
+    if a.grouped:
+        res["grouped"] = True
+        sweep_grouped(a, shapes, ExpertSetup, res)
+        return _finish(a, res, t_start)
     layers = 2 if a.sim else a.layers
     for fmt in a.formats.split(","):
         variants = a.variants.split(",") if a.variants else ge.SWEEP[fmt]
@@ -104,6 +126,95 @@ def main() -> int:
                     print(f"{fmt:5s} {name:15s} {v:18s} FAILED {row['error']}", flush=True)
                 res["rows"].append(row)
             del s
+    return _finish(a, res, t_start)
+
+
+def sweep_grouped(a, shapes, ExpertSetup, res) -> None:
+    """Legacy vs tiled grouped kernels (prefill) per format and shape; rows into res."""
+    from numba import cuda
+
+    from kernels_numba import gpu_experts as ge
+    from kernels_numba import reference as ref
+    t = SIM_TOKENS if a.sim else a.tokens
+    variants = a.variants.split(",") if a.variants else ["legacy", "tiled"]
+    reps = 1 if a.sim else GROUPED_REPS
+    for fmt in a.formats.split(","):
+        for name, (h, i, k) in shapes.items():
+            n_exp = GROUPED_EXPERTS[name]
+            s = ExpertSetup(fmt, h, i, n_exp, layers=1)   # bank of n_exp tame random experts
+            rng = np.random.default_rng(0)
+            ids = np.argsort(rng.random((t, n_exp)), axis=1)[:, :k].astype(np.int32)
+            w = rng.random((t, k)).astype(np.float32)
+            w /= w.sum(1, keepdims=True)
+            gslot, gstart, order, wts, _ = ge.group_assignments(ids, w, lambda e: e)
+            nb = a.group_batch if a.group_batch > 0 else len(gslot)
+            cuts = list(range(0, len(gslot), nb)) + [len(gslot)]
+            na = t * k
+            x = cuda.to_device((rng.standard_normal((t, h)) * 0.1).astype(np.float32))
+            dgs, dst = cuda.to_device(gslot), cuda.to_device(gstart)
+            dord, dwts = cuda.to_device(order), cuda.to_device(wts)
+            act = cuda.device_array((na, i), np.float32)
+            y = cuda.device_array((na, h), np.float32)
+            flops = na * 3 * h * i * 2
+            base = None
+            for v in variants:
+                t0 = time.time()
+
+                def run(v=v, s=s):
+                    for g0, g1 in zip(cuts[:-1], cuts[1:]):
+                        ge.grouped_gate_up_down(fmt, s.views, s.dlay, s.lh, dgs[g0:g1],
+                                                dst[g0:g1 + 1], dord, dwts, x, act, y, s.stream,
+                                                variant=v)
+                try:
+                    y.copy_to_device(np.full((na, h), np.nan, np.float32))
+                    run()                                  # compiles; the output to compare
+                    s.stream.synchronize()
+                    got = y.copy_to_host().astype(np.float64)
+                    if base is None:
+                        base = got
+                    dabs = float(np.abs(got - base).max()) if np.isfinite(got).all() else \
+                        float("inf")
+                    drel = dabs / max(float(np.abs(base).max()), 1e-30)
+                    e0, e1 = cuda.event(), cuda.event()
+                    e0.record(s.stream)
+                    for _ in range(reps):
+                        run()
+                    e1.record(s.stream)
+                    e1.synchronize()
+                    ms = e0.elapsed_time(e1) / reps
+                    row = dict(fmt=fmt, shape=name, h=h, i=i, k=k, experts=n_exp, tokens=t,
+                               groups=len(gslot), group_batch=nb, variant=v, ms=ms,
+                               tflops=flops / ms / 1e9, max_abs_diff=dabs, diff_vs_legacy=drel,
+                               wall_s=time.time() - t0)
+                    print(f"{fmt:5s} {name:15s} grouped {v:7s} T={t} E={n_exp} K={k}: "
+                          f"{ms:8.2f} ms/layer {row['tflops']:6.2f} TFLOP/s | diff vs "
+                          f"{variants[0]} abs {dabs:.2e} rel {drel:.1e} ({time.time() - t0:.1f}s)",
+                          flush=True)
+                except Exception as e:   # one broken variant must not lose the others' numbers
+                    row = dict(fmt=fmt, shape=name, variant=v, error=f"{type(e).__name__}: {e}")
+                    print(f"{fmt:5s} {name:15s} grouped {v:7s} FAILED {row['error']}", flush=True)
+                res["rows"].append(row)
+            if base is not None and a.sim:                # the oracle too, at tiny shapes
+                from loader.quant import decode_expert_block
+                from loader.layout import ExpertLayout
+                lay = ExpertLayout.build(fmt, h, i)
+                bank = s.bank.copy_to_host()
+                xs = x.copy_to_host()
+                exp = np.zeros_like(base)
+                for g, sl in enumerate(gslot):
+                    gw, uw, dw = (m.astype(np.float64) for m in decode_expert_block(bank[sl], lay))
+                    r = slice(gstart[g], gstart[g + 1])
+                    xa = xs[order[r]].astype(np.float64)
+                    exp[r] = wts[r, None] * ((ref.silu(xa @ gw.T) * (xa @ uw.T)) @ dw.T)
+                err = float(np.abs(base - exp).max() / max(np.abs(exp).max(), 1e-30))
+                print(f"{fmt:5s} {name:15s} grouped {variants[0]} vs numpy oracle: rel {err:.1e}",
+                      flush=True)
+                res["rows"].append(dict(fmt=fmt, shape=name, variant="oracle",
+                                        diff_vs_legacy=err))
+            del s
+
+
+def _finish(a, res, t_start) -> int:
     res["wall_s"] = time.time() - t_start
     print(f"total {res['wall_s']:.0f}s", flush=True)
     if a.out:
