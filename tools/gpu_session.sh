@@ -1,10 +1,34 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install the carried numpy, run the gpu tests, write logs to $OUT.
-# usage (device tool, carry [".whl"]): bash tools/gpu_session.sh [pytest args...]
+# The gpu tests on the GPU machine in one call of the device tool (10 minutes at most), logs in $OUT.
+# usage (device tool, carry [".whl"]): bash tools/gpu_session.sh GROUP
+#   a: tests/test_gpu_engine.py beside tests/test_gpu_hybrid.py (~260 s: 10 and 9 tests)
+#   b: tests/test_cuda_kernels.py's expert tests beside its other tests and tests/test_graphs.py
+#      (~300 s; the expert tests time every sweep variant at three real shapes)
+# Both groups' processes run side by side: numba compiles on the CPU, so more than two or three at
+# once slow each other down (four side by side each ran past 250 s on 2026-11-30).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import numpy, numba, numba_cuda, torch, transformers; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider -m gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+LIMIT=${LIMIT:-540}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+run() {   # run NAME PYTEST-ARGS...: one pytest process, its log and exit status in $OUT/NAME.log
+    local name=$1
+    shift
+    timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=5 "$@" \
+        > "$OUT/$name.log" 2>&1
+    echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/$name.log"
+}
+case "${1:-a}" in
+    a) run engine tests/test_gpu_engine.py & run hybrid tests/test_gpu_hybrid.py & wait ;;
+    b) run experts tests/test_cuda_kernels.py -k test_experts_gpu &
+       run kernels tests/test_cuda_kernels.py tests/test_graphs.py -k "not test_experts_gpu" & wait ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b" >&2; exit 2 ;;
+esac
+rc=0
+for f in "$OUT"/*.log; do
+    echo "== $(basename "$f")"
+    grep -E "passed|failed|FAILED|^E  |^exit " "$f" | cut -c1-250 | tail -12
+    grep -q "^exit 0 " "$f" || rc=1
+done
+exit $rc
