@@ -3,7 +3,8 @@
 VRAM holds, in this order of need: the dense weights, the KV cache, the run state (activations,
 attention partials), two slot banks of one layer's routed experts each (so the next layer's
 copies overlap this layer's compute), then as many hot experts as the rest allows. The host
-RAM cache gets the RAM budget. Nothing here allocates: it is arithmetic, testable on any machine.
+RAM cache gets the RAM budget (less the dense layers that stream from host RAM, when the dense
+side does not fit in VRAM). Nothing here allocates: it is arithmetic, testable on any machine.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class Plan:
     notes: tuple = field(default=())
     dense_streamed: tuple = ()   # layers whose dense weights live in host RAM and are copied in
     dense_slot_bytes: int = 0    # each of the two device slots those layers are copied into
+    dense_host_bytes: int = 0    # those layers' weights, pinned in host RAM (out of the RAM budget)
 
     @property
     def vram_slots(self) -> int:
@@ -61,7 +63,8 @@ class Plan:
             f"of {self.ram_slots} blocks ({min(self.ram_slots, streamed)} of them fit) from the arena",
         ]
         if self.dense_streamed:
-            lines.append(f"  dense: {len(self.dense_streamed)} layers' weights stream from host RAM "
+            lines.append(f"  dense: {len(self.dense_streamed)} layers' weights "
+                         f"({gb(self.dense_host_bytes)}, pinned) stream from host RAM "
                          f"through 2 slots of {gb(self.dense_slot_bytes)} (the rest stay in VRAM)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -86,12 +89,14 @@ def stream_dense(layer_bytes: dict, room: int) -> tuple[tuple, int]:
 
 def plan(*, vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, run_state_bytes: int,
          block_bytes: int, top_k: int, total_experts: int, hot_limit: int | None = None,
-         dense_layer_bytes: dict | None = None) -> Plan:
+         dense_layer_bytes: dict | None = None, dense_from_ram: bool = True) -> Plan:
     """Size every tier; raise PlanError naming the minimum when the budget is too small.
 
     dense_layer_bytes (layer -> bytes of its dense weights, part of dense_bytes): when given and
     the dense side does not fit, the layers that do not fit stream from host RAM like experts
     (dense weights come first: a token reads all of them, but only top-k of each layer's experts).
+    dense_from_ram: those layers' host copies come out of ram_gb (a budget the user set; not
+    when ram_gb is the engine's own default, sized for the experts alone).
     """
     vram = int(vram_gb * GB)
     ram = int(ram_gb * GB)
@@ -120,15 +125,22 @@ def plan(*, vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, run_
     hot = min(total_experts, (vram - need) // block_bytes)
     if hot_limit is not None:
         hot = min(hot, hot_limit)
-    ram_slots = ram // block_bytes
+    # streamed dense layers stay packed in pinned host RAM: they come out of the RAM budget
+    dense_host = sum(dense_layer_bytes[x] for x in streamed)
+    ram_slots = max(ram - (dense_host if dense_from_ram else 0), 0) // block_bytes
     notes = []
     if hot >= total_experts:
         notes.append("every expert fits in VRAM: nothing is streamed after the first read")
     elif ram_slots < top_k:
-        raise PlanError(f"--ram-gb {ram_gb:g} holds {ram_slots} expert blocks; one layer's "
-                        f"{top_k} routed experts need at least {top_k * block_bytes / GB:.3f} GB")
+        if not dense_from_ram:
+            dense_host = 0
+        dense_note = (f" beside the {dense_host / GB:.2f} GB of dense layers that stream from it"
+                      if dense_host else "")
+        raise PlanError(f"--ram-gb {ram_gb:g} holds {ram_slots} expert blocks{dense_note}; one "
+                        f"layer's {top_k} routed experts need at least "
+                        f"{(dense_host + top_k * block_bytes) / GB:.3f} GB")
     if streamed:
         notes.append(f"the dense weights ({dense_bytes / GB:.2f} GB) do not fit: "
                      f"{len(streamed)} of {len(dense_layer_bytes)} layers stream from host RAM")
     return Plan(vram, ram, dense_resident, kv_bytes, run_state_bytes, block_bytes, bank_slots,
-                int(hot), total_experts, int(ram_slots), tuple(notes), streamed, slot)
+                int(hot), total_experts, int(ram_slots), tuple(notes), streamed, slot, dense_host)

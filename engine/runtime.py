@@ -84,6 +84,11 @@ class ArenaExperts:
         self.cache = ExpertCache(self.arena, self.reader, budget, c.n_layers, c.n_experts, policy=policy)
         self.budget = budget
 
+    def resize(self, budget: int) -> None:
+        """Shrink (or grow) the RAM cache before its first read."""
+        self.cache.resize(budget)
+        self.budget = budget
+
     def fetch(self, layer: int, ids) -> list:
         return [(self.fmt, b, self.lay) for b in self.cache.get_many(layer, [int(e) for e in ids])]
 
@@ -306,8 +311,12 @@ class Engine:
                     per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + np.asarray(w).nbytes
             glob = dense_bytes - sum(per_layer.values())
             per_layer = {l: int(b * 1.05) + (16 << 10) for l, b in per_layer.items()}
-            p = plan(dense_bytes=glob + sum(per_layer.values()), dense_layer_bytes=per_layer, **kw)
+            p = plan(dense_bytes=glob + sum(per_layer.values()), dense_layer_bytes=per_layer,
+                     dense_from_ram=ram_gb is not None, **kw)
         self.plan = p
+        if p.dense_host_bytes and self.packed and ram_gb is not None:
+            # the streamed dense layers take their share of --ram-gb first
+            self.experts.resize(max(p.ram_slots, c.top_k) * layout.block_bytes)
         print(p.describe(), file=sys.stderr)
         dec = Decoder(c, self._weight, host, p, layout, on_route, prefill_batch,
                       max_context=self.max_context, speculate=speculate, prefill_chunk=chunk)

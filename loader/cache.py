@@ -266,20 +266,38 @@ class ExpertCache:
             layers = arena.moe_layers if isinstance(arena, ArenaFile) else range(n_layers)
         self.layers = [int(x) for x in layers]
         self.block_bytes = int(arena.block_record(self.layers[0], 0)["size"])
-        self.n_slots = int(budget_bytes) // self.block_bytes
-        if self.n_slots < 1:
-            raise ValueError(f"expert cache budget {budget_bytes} bytes is smaller than one expert "
-                             f"block ({self.block_bytes} bytes)")
         make_policy(policy, decay)  # validates the name before anything is allocated
-        self.policy = SplitPolicy(lambda: make_policy(policy, decay), self.layers, self.n_slots, split)
         self.policy_name, self.split = policy, split
-        self.pool = PinnedPool(self.n_slots, self.block_bytes, use_cuda=use_cuda)
-        self._free = list(range(self.n_slots))[::-1]
+        self._decay, self._use_cuda = decay, use_cuda
+        self.pool = None
+        self._size(budget_bytes)
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pins: set = set()              # keys of the last demand request
         self._cv = threading.Condition()
         self._stats = CacheStats()
         self._reader_base = reader.stats().busy_seconds
+
+    def _size(self, budget_bytes: int) -> None:
+        n = int(budget_bytes) // self.block_bytes
+        if n < 1:
+            raise ValueError(f"expert cache budget {budget_bytes} bytes is smaller than one expert "
+                             f"block ({self.block_bytes} bytes)")
+        if self.pool is not None:
+            self.pool.close()
+        self.n_slots = n
+        self.policy = SplitPolicy(lambda: make_policy(self.policy_name, self._decay), self.layers,
+                                  n, self.split)
+        self.pool = PinnedPool(n, self.block_bytes, use_cuda=self._use_cuda)
+        self._free = list(range(n))[::-1]
+
+    def resize(self, budget_bytes: int) -> None:
+        """A new byte budget for an empty cache (the engine's plan can take RAM for other uses
+        before the first read)."""
+        with self._cv:
+            if self._entries:
+                raise RuntimeError("expert cache: resize needs an empty cache "
+                                   f"({len(self._entries)} blocks held)")
+            self._size(budget_bytes)
 
     # ---- lookups ----------------------------------------------------------------------------
 

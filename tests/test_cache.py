@@ -63,6 +63,18 @@ def one_layer(packed, policy, slots=3, **kw):
     return ExpertCache(ar, reader, slots * bb, 4, 8, policy=policy, layers=[0], **kw)
 
 
+def test_resize_before_first_read(packed):
+    ar, reader, bb = packed
+    with cache(packed, 8) as c:
+        c.resize(3 * bb)
+        assert c.n_slots == 3 and c.stats_dict()["budget_bytes_used"] == 3 * bb
+        for e in range(5):   # the smaller budget holds: never more than 3 blocks
+            np.testing.assert_array_equal(c.get(1, e), ar.read_block(1, e))
+        assert sum(c.contains(1, e) for e in range(8)) == 3
+        with pytest.raises(RuntimeError, match="resize needs an empty cache"):
+            c.resize(8 * bb)
+
+
 def test_lru_order(packed):
     with one_layer(packed, "lru") as c:
         for e in (0, 1, 2, 0, 3):

@@ -81,6 +81,11 @@ def test_dense_layers_streamed_same_tokens(tmp_path):
     need = big.plan.vram_used - big.plan.hot_slots * bb     # the minimum with every layer resident
     small = engine.load(tmp_path / "p", device="cuda", vram_gb=(need - 1) / 1e9)
     assert len(small.plan.dense_streamed) >= 2 and not small.plan.all_resident
+    # with --ram-gb set, their pinned host copies come out of it: the expert cache shrinks
+    ram = engine.load(tmp_path / "p", device="cuda", vram_gb=(need - 1) / 1e9, ram_gb=0.01)
+    assert ram.plan.dense_streamed == small.plan.dense_streamed and ram.plan.dense_host_bytes > 0
+    assert ram.experts.budget == ram.plan.ram_slots * bb
+    assert ram.experts.budget <= 0.01e9 - ram.plan.dense_host_bytes
     b = small.generate(prompt, max_new_tokens=16)
     assert a.output_ids == b.output_ids
     assert b.stats["vram"]["dense_h2d_bytes"] > 0

@@ -93,6 +93,12 @@ def test_plan_streams_dense_layers_that_do_not_fit():
     assert p.dense_streamed == tuple(range(48 - n, 48)) and not p.all_resident
     assert p.vram_used <= p.vram_budget
     assert "stream from host RAM" in p.describe()
+    # the streamed layers stay pinned in host RAM: they come out of the RAM budget
+    assert p.dense_host_bytes == n * (100 << 20)
+    assert p.ram_slots == (16 * 10**9 - n * (100 << 20)) // BLOCK
+    tight = (n * (100 << 20) + 7 * BLOCK) / GB          # room for 7 blocks beside them, not 8
+    with pytest.raises(PlanError, match=r"holds 7 expert blocks beside the .* GB of dense layers"):
+        plan(**{**kw, "ram_gb": tight})
     # nothing streams when it fits
     assert plan(**base(dense_bytes=dense, dense_layer_bytes=layers, vram_gb=8)).dense_streamed == ()
     # below the floor (every layer streamed) the refusal names that minimum
