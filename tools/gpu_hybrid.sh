@@ -7,19 +7,22 @@
 #      16 GB RAM, uniform routing (forces streaming)
 # Logs and JSON go to $OUT. Run from the repository root after the caller's
 #   export PYTHONPATH=/tmp/site:$PWD     (numpy < 2.5 in /tmp/site, as tools/gpu_session.sh does)
-# Steps carry their own time limits (about 390 s in all) and the script goes on after a failed
+# Steps carry their own time limits (about 505 s in all, 355 with SKIP_TESTS=1) and the script goes on after a failed
 # step, so one call brings every result home; the exit status says whether any step failed.
 #
 # SKIP_TESTS=1: leave step 1 out (the caller ran the tests); SKIP_SYNTH=1: MODEL is already written.
-# LAYERS: layers of the synthetic model, default 24 of the preset's 48 (an arena of ~22 GB).
-# The whole preset writes ~44 GB: its synth (~1.4 GB/s buffered), the page-cache flush before the
-# cold run and the prefill's cold read of every expert take ~150 s on their own at ~1.4 GB/s and
-# would push the script past 400 s. LAYERS=48 runs the preset whole (also lowered to fit the disk).
+# LAYERS: layers of the synthetic model, default the preset's 48 (an arena of ~44 GB, written at
+# ~1 GB/s), lowered to fit the disk: the one-GPU machine had ~41 GB free on 2026-11-30, enough
+# for 38 layers; the two-GPU kind has a 128 GB disk. PROMPT / TOKENS: 64 / 32 by default, so the cold prefill
+# (uniform routing reads ~70 % of the experts from disk at ~1.1 GB/s) and a decode at a few
+# tokens/s fit the step's limit; on 2026-11-30 LAYERS=24 with 256 / 64 took 84 s.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-24}
+LAYERS=${LAYERS:-48}
+PROMPT=${PROMPT:-64}
+TOKENS=${TOKENS:-32}
 MODEL=${MODEL:-/tmp/qn}
 rc=0
 step() {   # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, remember failure
@@ -48,9 +51,9 @@ if [ "$fit" -lt "$LAYERS" ]; then
     LAYERS=$fit
 fi
 echo "== synthetic qwen3-next-80b-a3b: $LAYERS of 48 layers, nvfp4 experts (${free_gb} GB free)"
-[ -n "${SKIP_SYNTH:-}" ] || step synth 75 python3 -m engine.synth qwen3-next-80b-a3b "$MODEL" --experts nvfp4 --layers "$LAYERS" --force
-step gpu_stream 130 python3 -m engine.bench gpu-stream --model "$MODEL" --vram-gb 8 --ram-gb 16 \
-    --tokens 64 --prompt-len 256 --route uniform --out "$OUT/qn_stream.json"
+[ -n "${SKIP_SYNTH:-}" ] || step synth 110 python3 -m engine.synth qwen3-next-80b-a3b "$MODEL" --experts nvfp4 --layers "$LAYERS" --force
+step gpu_stream 200 python3 -m engine.bench gpu-stream --model "$MODEL" --vram-gb 8 --ram-gb 16 \
+    --tokens "$TOKENS" --prompt-len "$PROMPT" --route uniform --out "$OUT/qn_stream.json"
 rm -rf "$MODEL"
 echo "== done: exit $rc (logs in $OUT)"
 exit $rc
