@@ -34,11 +34,14 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
                 + t * c.n_heads * num_splits(max_context) * (c.head_dim + 2))
 
 
-def pick_prefill_chunk(c, max_context: int, vram_bytes: float, share: float = 0.15) -> int:
-    """The largest prefill chunk whose run state stays within a share of the VRAM budget."""
+def pick_prefill_chunk(c, max_context: int, vram_bytes: float, share: float = 0.15,
+                       state_bytes=None) -> int:
+    """The largest prefill chunk whose run state (state_bytes, default run_state_bytes) stays
+    within a share of the VRAM budget."""
+    state_bytes = state_bytes or run_state_bytes
     for t in PREFILL_CHUNKS:
         t = min(t, max_context)
-        if run_state_bytes(c, t, max_context) <= share * vram_bytes:
+        if state_bytes(c, t, max_context) <= share * vram_bytes:
             return t
     return min(PREFILL_CHUNKS[-1], max_context)
 

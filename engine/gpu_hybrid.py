@@ -24,8 +24,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from engine.gpu import PREFILL_CHUNKS, Buffers, GpuDecoder, _partials
+from engine.gpu import Buffers, GpuDecoder, _partials
 from engine.gpu import run_state_bytes as _base_run_state_bytes
+from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.models.hybrid import FULL, LINEAR, qkvz_order
 from kernels_numba import gpu_attention as ga
 from kernels_numba import gpu_deltanet as gdn
@@ -118,12 +119,8 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
 
 
 def pick_prefill_chunk(c, max_context: int, vram_bytes: float, share: float = 0.15) -> int:
-    """The largest prefill chunk whose run state stays within a share of the VRAM budget."""
-    for t in PREFILL_CHUNKS:
-        t = min(t, max_context)
-        if run_state_bytes(c, t, max_context) <= share * vram_bytes:
-            return t
-    return min(PREFILL_CHUNKS[-1], max_context)
+    """The largest prefill chunk whose run state (the hybrid one) fits a share of the VRAM."""
+    return _base_pick_prefill_chunk(c, max_context, vram_bytes, share, run_state_bytes)
 
 
 class HybridBuffers(Buffers):

@@ -23,7 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "asv_bench" / "benchmarks"))
+from bench_cuda import _time_ms  # noqa: E402  (warm once, then events around reps launches)
 
 REPS = 8
 MODULES = ("gpu_attention", "gpu_dense", "gpu_experts", "gpu_misc", "gpu_sampling", "gpu_deltanet")
@@ -62,16 +65,7 @@ class Patched:
 
 
 def _time_graph_ms(stream, g, reps=5) -> float:
-    from numba import cuda
-    g.launch(stream)
-    stream.synchronize()
-    e0, e1 = cuda.event(), cuda.event()
-    e0.record(stream)
-    for _ in range(reps):
-        g.launch(stream)
-    e1.record(stream)
-    e1.synchronize()
-    return e0.elapsed_time(e1) / reps
+    return _time_ms(stream, lambda: g.launch(stream), reps)
 
 
 def profile_decode(m, st, tid: int) -> dict:
