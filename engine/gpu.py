@@ -29,9 +29,12 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
     """Device bytes of the activations for a prefill chunk of t tokens (Buffers below) and the
     logits: what the planner reserves beside the KV cache."""
     from kernels_numba.gpu_attention import num_splits
+    # attention scratch: a chunk of t queries gets t times fewer pieces than one decode query
+    # (alloc_partials), and the one-token buffers of the decode graphs are kept beside it
+    pieces = t * num_splits(max_context, t=t) + num_splits(max_context)
     return 4 * (t * (5 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts)
                 + t * c.top_k * (c.moe_intermediate + c.hidden) + c.vocab_size * 2
-                + t * c.n_heads * num_splits(max_context) * (c.head_dim + 2))
+                + c.n_heads * pieces * (c.head_dim + 2))
 
 
 def pick_prefill_chunk(c, max_context: int, vram_bytes: float, share: float = 0.15,
