@@ -149,6 +149,8 @@ class GpuDecoder:
         self.slots_h[:] = 0
         self.slots_d = cuda.to_device(np.zeros((c.n_layers, c.top_k), np.int32))   # slot 0 is valid
         self.ids_all_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)       # decode routing
+        self.ids_all_d = cuda.device_array((c.n_layers, c.top_k), np.int32)
+        self._dev_route = False   # capturing the all-resident token: ids stay on the device
         self.spec_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)          # predicted routing
         # off by default: on the H200 run of 2026-11-30 decode with it was slower (13.8 vs 51.6
         # tok/s at --vram-gb 8 --ram-gb 32) at 0.77 accuracy, cause not yet isolated; since then
@@ -371,8 +373,11 @@ class GpuDecoder:
             return
         gd.rmsnorm(b.x, self.w("mlp_norm", l), c.rms_eps, b.h, cs)
         self._linear(self.w("router", l), b.h, b.rl)
-        gs.router_topk(b.rl, c.norm_topk_prob, b.ids, b.w, cs)
-        b.ids[0].copy_to_host(self.ids_all_h[l], stream=cs)
+        if self._dev_route:   # one copy of every layer's ids a token (_capture), not one a layer
+            gs.router_topk(b.rl, c.norm_topk_prob, self.ids_all_d[l:l + 1], b.w, cs)
+        else:
+            gs.router_topk(b.rl, c.norm_topk_prob, b.ids, b.w, cs)
+            b.ids[0].copy_to_host(self.ids_all_h[l], stream=cs)
         nl = self.next_moe[l]
         if self.speculate and nl is not None and not self.plan.all_resident:
             # the next MoE layer's router on this layer's input: its experts can start copying
@@ -384,7 +389,7 @@ class GpuDecoder:
     def _seg_experts(self, l, device_slots: bool):
         b, c, cs = self.one, self.c, self.cs
         if device_slots:
-            gm.map_slots(b.ids, self.slot_of_d[l], self.slots_d[l], cs)
+            gm.map_slots(self.ids_all_d[l:l + 1], self.slot_of_d[l], self.slots_d[l], cs)
         else:
             self.slots_d[l].copy_to_device(self.slots_h[l], stream=cs)
         # the down kernel adds into the residual stream itself (x + moe, one add as before)
@@ -433,8 +438,13 @@ class GpuDecoder:
                     self._seg_layer_dense(l, st)
                     if l in c.moe_layers:
                         self._seg_experts(l, True)
+                self.ids_all_d.copy_to_host(self.ids_all_h, stream=cs)
                 self._seg_head()
-            self._graphs = {"token": capture_fn(token, cs)}
+            self._dev_route = True
+            try:
+                self._graphs = {"token": capture_fn(token, cs)}
+            finally:
+                self._dev_route = False
         else:
             g = {"embed": capture_fn(lambda s: self._seg_embed(), cs),
                  "head": capture_fn(lambda s: self._seg_head(), cs)}
@@ -498,6 +508,15 @@ class GpuDecoder:
     def _linear(self, w, x, y):
         (gd.gemm if x.shape[0] >= GEMM_MIN_T else gd.linear)(w, x, y, self.cs)
 
+    def _linear_add(self, w, x, tmp, res):
+        """res += x @ w^T: the matvec adds in place (one node fewer a layer); the GEMM of a
+        prefill chunk goes through tmp and an add."""
+        if x.shape[0] < GEMM_MIN_T:
+            gd.linear(w, x, res, self.cs, accumulate=True)
+            return
+        gd.gemm(w, x, tmp, self.cs)
+        gd.add(res.reshape(-1), tmp.reshape(-1), res.reshape(-1), self.cs)
+
     def _attention(self, l, b, t, st):
         c, cs = self.c, self.cs
         x, h = b.x[:t], b.h[:t]
@@ -526,18 +545,17 @@ class GpuDecoder:
         k3 = k.reshape(t, c.n_kv_heads, c.head_dim)
         v3 = v.reshape(t, c.n_kv_heads, c.head_dim)
         pos = b.pos[:t]
-        if c.qk_norm == "head":   # per-head norms and RoPE of q and k in one launch
+        if c.qk_norm == "head":   # per-head norms, RoPE of q and k and the cache store: one launch
             gd.qk_norm_rope(q3, k3, self.w("q_norm", l), self.w("k_norm", l), c.rms_eps, pos,
-                            self.inv_freq, c.rope.attention_factor, cs)
+                            self.inv_freq, c.rope.attention_factor, cs, cache=(v3, st.k[l], st.v[l]))
         else:
             gd.rope(q3, pos, self.inv_freq, cs, c.rope.attention_factor)
             gd.rope(k3, pos, self.inv_freq, cs, c.rope.attention_factor)
-        gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
+            gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
         ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
                      _partials(b.partials, t, c.n_heads), cs, c.sliding_window)
-        self._linear(self.w("o", l), b.att[:t], b.o[:t])
-        gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)
+        self._linear_add(self.w("o", l), b.att[:t], b.o[:t], x)
 
     def _dense_mlp(self, l, b, t):
         c, cs = self.c, self.cs

@@ -210,16 +210,14 @@ class GpuHybridDecoder(GpuDecoder):
         v3 = v.reshape(t, c.n_kv_heads, d)
         pos = b.pos[:t]
         # norms are stored as 1 + w already; rope covers the rotary dims of inv_freq only
-        gd.qk_norm_rope(q3, k3, self.w("q_norm", l), self.w("k_norm", l), c.rms_eps, pos,
-                        self.inv_freq, c.rope.attention_factor, cs)
         s = self.slot[l]
-        gm.kv_store(k3, v3, st.k[s], st.v[s], pos, cs)
+        gd.qk_norm_rope(q3, k3, self.w("q_norm", l), self.w("k_norm", l), c.rms_eps, pos,
+                        self.inv_freq, c.rope.attention_factor, cs, cache=(v3, st.k[s], st.v[s]))
         att = b.att[:t]
         ga.attention(q3, st.k[s], st.v[s], pos, d ** -0.5, att.reshape(t, c.n_heads, d),
                      _partials(b.partials, t, c.n_heads), cs)
         gdn.sigmoid_gate(att, gate, cs)
-        self._linear(self.w("o", l), att, b.o[:t])
-        gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)
+        self._linear_add(self.w("o", l), att, b.o[:t], x)
 
     def _deltanet(self, l, b, t, st):
         """Fused input projections, causal conv (in place, rolling state), gated delta rule

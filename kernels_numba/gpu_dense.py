@@ -68,8 +68,8 @@ def _elem_f32(w, n, k):
 LIN_DOUBLE_BUFFER = False
 
 
-def _make_linear(cw, chunk, R, KS, U, TT):
-    """Matvec kernel for cw weights per 8-byte chunk (4 bf16 / 2 fp32).
+def _make_linear(cw, chunk, R, KS, U, TT, ACC=False):
+    """Matvec kernel for cw weights per 8-byte chunk (4 bf16 / 2 fp32); ACC: y += instead of =.
 
     A block of LIN_THREADS threads is NW = LIN_THREADS / 32 warps in NW / KS groups; a group owns
     R consecutive output rows and its KS warps split the row's chunks (lane-interleaved, so
@@ -166,22 +166,25 @@ def _make_linear(cw, chunk, R, KS, U, TT):
                     if n0 + r < N:
                         for q in range(TT):
                             if q < nt:
-                                y[t0 + q, n0 + r] = acc[r * TT + q]
+                                if ACC:
+                                    y[t0 + q, n0 + r] += acc[r * TT + q]
+                                else:
+                                    y[t0 + q, n0 + r] = acc[r * TT + q]
     return linear
 
 
 _LINEAR = {}
 
 
-def linear_kernel(kind: str, r: int, ks: int, u: int, tt: int):
+def linear_kernel(kind: str, r: int, ks: int, u: int, tt: int, acc: bool = False):
     """The compiled-on-first-launch matvec for (weight kind "bf16" / "f32", rows per warp group,
-    warps per row, chunks in flight per row, token tile)."""
-    key = (kind, r, ks, u, tt)
+    warps per row, chunks in flight per row, token tile, accumulate into y)."""
+    key = (kind, r, ks, u, tt, bool(acc))
     if key not in _LINEAR:
         if (LIN_THREADS // WARP) % ks:
             raise ValueError(f"linear: {ks} warps per row do not divide a {LIN_THREADS}-thread block")
         cw, chunk = (4, _chunk_bf16) if kind == "bf16" else (2, _chunk_f32)
-        _LINEAR[key] = _make_linear(cw, chunk, r, ks, u, tt)
+        _LINEAR[key] = _make_linear(cw, chunk, r, ks, u, tt, bool(acc))
     return _LINEAR[key]
 
 
@@ -258,9 +261,10 @@ _gemm_bf16 = _make_gemm(_elem_bf16)
 _gemm_f32 = _make_gemm(_elem_f32)
 
 
-def linear(w, x, y, stream, config=None):
-    """y [T, N] = x [T, K] @ w [N, K]^T; w float32 or uint16 (bf16 bits), K a multiple of 4
-    (bf16) or 2 (fp32); x C-contiguous rows.
+def linear(w, x, y, stream, config=None, accumulate=False):
+    """y [T, N] = x [T, K] @ w [N, K]^T (y += with accumulate: a residual add without its own
+    launch); w float32 or uint16 (bf16 bits), K a multiple of 4 (bf16) or 2 (fp32); x
+    C-contiguous rows.
 
     Memory-bound matvec form for decode and small T (use gemm() for prefill). config: (R, KS,
     U) to override linear_config()'s choice (benchmark sweeps)."""
@@ -275,7 +279,7 @@ def linear(w, x, y, stream, config=None):
             raise ValueError(f"fp32 linear needs K % 2 == 0, got K={k}")
         kind, cw = "f32", 2
     r, ks, u = config or linear_config(n, k, t, cw)
-    kern = linear_kernel(kind, r, ks, u, _token_tile(t))
+    kern = linear_kernel(kind, r, ks, u, _token_tile(t), accumulate)
     kern[cdiv(n, (LIN_THREADS // WARP // ks) * r), LIN_THREADS, stream](
         w.view(np.uint64), x.view(np.uint64), y)
 
@@ -413,68 +417,96 @@ QKR_DL = QKR_MAX_D // WARP           # head-dim values a lane holds
 QKR_THREADS = QKR_WARPS * WARP       # a module constant: shared.array needs a literal size
 
 
-@cuda.jit
-def _qk_norm_rope(q, k, wq, wk, eps, w_offset, positions, inv_freq, scaling):
-    """q [T, Hq, D], k [T, Hkv, D] in place; one warp a head, heads (t, 0..Hq-1) of q then
-    (t, 0..Hkv-1) of k for each t; grid cdiv(T * (Hq + Hkv), QKR_WARPS). A warp normalizes
-    its head (lanes over D, warp sum), parks the result in shared memory, then rotates pairs
-    (f, f + R/2) and copies the dims past R. Padding warps join the reductions and barrier."""
-    red = cuda.shared.array(QKR_THREADS, float32)
-    sh = cuda.shared.array((QKR_WARPS, QKR_MAX_D), float32)
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    nh = Hq + Hkv
-    lane = cuda.threadIdx.x % WARP
-    wid = cuda.threadIdx.x // WARP
-    g0 = cuda.blockIdx.x * QKR_WARPS + wid
-    live = g0 < T * nh
-    g = min(g0, T * nh - 1)
-    t = g // nh
-    h = g - t * nh
-    isq = h < Hq                       # uniform over the warp
-    x = q if isq else k
-    w = wq if isq else wk
-    hh = h if isq else h - Hq
-    r2 = inv_freq.shape[0]
-    v = cuda.local.array(QKR_DL, float32)
-    ss = float32(0.0)
-    for i in range(QKR_DL):
-        d = i * WARP + lane
-        a = float32(0.0)
-        if d < D:
-            a = x[t, hh, d]
-        v[i] = a
-        ss += a * a
-    ss = warp_sum(ss, red)
-    inv = float32(1.0) / math.sqrt(ss / float32(D) + eps)
-    for i in range(QKR_DL):
-        d = i * WARP + lane
-        if d < D:
-            sh[wid, d] = v[i] * inv * (w[d] + w_offset)
-    cuda.syncthreads()
-    if live:
-        pos = float64(positions[t])
-        for f in range(lane, r2, WARP):
-            ang = pos * float64(inv_freq[f])
-            c = float32(math.cos(ang) * scaling)
-            s = float32(math.sin(ang) * scaling)
-            a = sh[wid, f]
-            b = sh[wid, f + r2]
-            x[t, hh, f] = a * c - b * s
-            x[t, hh, f + r2] = b * c + a * s
-        for d in range(2 * r2 + lane, D, WARP):
-            x[t, hh, d] = sh[wid, d]
+def _make_qk_norm_rope(STORE):
+    @cuda.jit
+    def qk_norm_rope(q, k, wq, wk, eps, w_offset, positions, inv_freq, scaling, v, kc, vc):
+        """q [T, Hq, D], k [T, Hkv, D] in place; one warp a head, heads (t, 0..Hq-1) of q then
+        (t, 0..Hkv-1) of k for each t; grid cdiv(T * (Hq + Hkv), QKR_WARPS). A warp normalizes
+        its head (lanes over D, warp sum), parks the result in shared memory, then rotates pairs
+        (f, f + R/2) and copies the dims past R. Padding warps join the reductions and barrier.
+        STORE: a k head's warp also writes it, and v's head, into cache rows kc / vc [S, Hkv, D]
+        at positions[t] (kv_store fused: one graph node fewer a layer)."""
+        red = cuda.shared.array(QKR_THREADS, float32)
+        sh = cuda.shared.array((QKR_WARPS, QKR_MAX_D), float32)
+        T, Hq, D = q.shape
+        Hkv = k.shape[1]
+        nh = Hq + Hkv
+        lane = cuda.threadIdx.x % WARP
+        wid = cuda.threadIdx.x // WARP
+        g0 = cuda.blockIdx.x * QKR_WARPS + wid
+        live = g0 < T * nh
+        g = min(g0, T * nh - 1)
+        t = g // nh
+        h = g - t * nh
+        isq = h < Hq                       # uniform over the warp
+        x = q if isq else k
+        w = wq if isq else wk
+        hh = h if isq else h - Hq
+        r2 = inv_freq.shape[0]
+        v_ = cuda.local.array(QKR_DL, float32)
+        ss = float32(0.0)
+        for i in range(QKR_DL):
+            d = i * WARP + lane
+            a = float32(0.0)
+            if d < D:
+                a = x[t, hh, d]
+            v_[i] = a
+            ss += a * a
+        ss = warp_sum(ss, red)
+        inv = float32(1.0) / math.sqrt(ss / float32(D) + eps)
+        for i in range(QKR_DL):
+            d = i * WARP + lane
+            if d < D:
+                sh[wid, d] = v_[i] * inv * (w[d] + w_offset)
+        cuda.syncthreads()
+        if live:
+            p = positions[t]
+            pos = float64(p)
+            store = STORE and not isq
+            for f in range(lane, r2, WARP):
+                ang = pos * float64(inv_freq[f])
+                c = float32(math.cos(ang) * scaling)
+                s = float32(math.sin(ang) * scaling)
+                a = sh[wid, f]
+                b = sh[wid, f + r2]
+                ra = a * c - b * s
+                rb = b * c + a * s
+                x[t, hh, f] = ra
+                x[t, hh, f + r2] = rb
+                if store:
+                    kc[p, hh, f] = ra
+                    kc[p, hh, f + r2] = rb
+            for d in range(2 * r2 + lane, D, WARP):
+                x[t, hh, d] = sh[wid, d]
+                if store:
+                    kc[p, hh, d] = sh[wid, d]
+            if store:
+                for d in range(lane, D, WARP):
+                    vc[p, hh, d] = v[t, hh, d]
+    return qk_norm_rope
 
 
-def qk_norm_rope(q, k, wq, wk, eps, positions, inv_freq, scaling, stream, w_offset=0.0):
+_qk_norm_rope = _make_qk_norm_rope(False)
+_qk_norm_rope_store = _make_qk_norm_rope(True)
+
+
+def qk_norm_rope(q, k, wq, wk, eps, positions, inv_freq, scaling, stream, w_offset=0.0,
+                 cache=None):
     """Per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (weights wq, wk [D], each plus
     w_offset), then RoPE as rope() does it (the first 2 * len(inv_freq) dims, cos / sin times
-    scaling), in place, in one launch: rmsnorm(q), rmsnorm(k), rope(q), rope(k) fused."""
+    scaling), in place, in one launch: rmsnorm(q), rmsnorm(k), rope(q), rope(k) fused.
+    cache = (v, kc, vc): also kv_store(k, v, kc, vc, positions) in the same launch."""
     t, hq, d = q.shape
     if d > QKR_MAX_D or k.shape[2] != d or k.shape[0] != t:
         raise ValueError(f"qk_norm_rope: q {q.shape}, k {k.shape} (head dim <= {QKR_MAX_D})")
     if 2 * inv_freq.shape[0] > d:
         raise ValueError(f"qk_norm_rope: {inv_freq.shape[0]} frequencies exceed head dim {d}")
     heads = t * (hq + k.shape[1])
-    _qk_norm_rope[cdiv(heads, QKR_WARPS), QKR_THREADS, stream](
-        q, k, wq, wk, float32(eps), float32(w_offset), positions, inv_freq, float64(scaling))
+    kern, (v, kc, vc) = (_qk_norm_rope, (k, k, k)) if cache is None else (_qk_norm_rope_store, cache)
+    if cache is not None and (v.shape != k.shape or kc.shape[1:] != k.shape[1:]
+                              or vc.shape != kc.shape):
+        raise ValueError(f"qk_norm_rope: v {v.shape} / caches {kc.shape}, {vc.shape} do not "
+                         f"match k {k.shape}")
+    kern[cdiv(heads, QKR_WARPS), QKR_THREADS, stream](
+        q, k, wq, wk, float32(eps), float32(w_offset), positions, inv_freq, float64(scaling),
+        v, kc, vc)

@@ -190,6 +190,12 @@ def check_dense(rng, t, n, k, gemm_t, configs=(None,)):
                 stream.synchronize()
                 errs.append(_close(y.copy_to_host(), ref.linear(x, w),
                                    what=f"linear {kind} T={tt} config={cfg}"))
+                y0 = rng.standard_normal((tt, n)).astype(np.float32)   # accumulate: y += x @ w^T
+                y = cuda.to_device(y0)
+                gd.linear(dw, cuda.to_device(x), y, stream, config=cfg, accumulate=True)
+                stream.synchronize()
+                errs.append(_close(y.copy_to_host(), y0 + ref.linear(x, w),
+                                   what=f"linear {kind} T={tt} config={cfg} accumulate"))
         x = rng.standard_normal((gemm_t, k)).astype(np.float32)
         y = _nan((gemm_t, n))
         gd.gemm(dw, cuda.to_device(x), y, stream)
@@ -237,25 +243,38 @@ def check_norm_rope_embed(rng, t, nh, d, r, hidden, vocab):
     _close(o.copy_to_host(), a + b, tol=0, what="add")
 
 
-def check_qk_norm_rope(rng, t, hq, hkv, d, r, w_offset=0.0, scaling=1.0):
-    """gd.qk_norm_rope (one launch) against rmsnorm then rope of the reference, q and k."""
+def check_qk_norm_rope(rng, t, hq, hkv, d, r, w_offset=0.0, scaling=1.0, store=False):
+    """gd.qk_norm_rope (one launch) against rmsnorm then rope of the reference, q and k; with
+    store, also the fused kv_store: k and v at their rows of a poisoned cache, the rest left."""
     from kernels_numba import gpu_dense as gd
     stream = cuda.stream()
     q = rng.standard_normal((t, hq, d)).astype(np.float32)
     k = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, d)).astype(np.float32)
     wq = (rng.standard_normal(d) * 0.1).astype(np.float32)
     wk = (rng.standard_normal(d) * 0.1).astype(np.float32)
-    pos = rng.integers(0, 40000, size=t).astype(np.int32)
+    s_max = t + 5
+    pos = (rng.permutation(s_max)[:t] if store
+           else rng.integers(0, 40000, size=t)).astype(np.int32)
     inv_freq = (1.0 / (1e6 ** (np.arange(0, r, 2) / r))).astype(np.float32)
     dq, dk = cuda.to_device(q), cuda.to_device(k)
+    kc, vc = _nan((s_max, hkv, d)), _nan((s_max, hkv, d))
     gd.qk_norm_rope(dq, dk, cuda.to_device(wq), cuda.to_device(wk), 1e-6, cuda.to_device(pos),
-                    cuda.to_device(inv_freq), scaling, stream, w_offset=w_offset)
+                    cuda.to_device(inv_freq), scaling, stream, w_offset=w_offset,
+                    cache=(cuda.to_device(v), kc, vc) if store else None)
     stream.synchronize()
     errs = []
-    for got, x, w, what in ((dq, q, wq, "q"), (dk, k, wk, "k")):
+    what = f"D={d} R={r} offset={w_offset} store={store}"
+    for got, x, w, name in ((dq, q, wq, "q"), (dk, k, wk, "k")):
         exp = ref.rope(ref.rmsnorm(x, w + np.float32(w_offset), 1e-6), pos, inv_freq, scaling)
-        errs.append(_close(got.copy_to_host(), exp,
-                           what=f"qk_norm_rope {what} D={d} R={r} offset={w_offset}"))
+        errs.append(_close(got.copy_to_host(), exp, what=f"qk_norm_rope {name} {what}"))
+        if store and name == "k":
+            kch, vch = kc.copy_to_host(), vc.copy_to_host()
+            errs.append(_close(kch[pos], exp, what=f"qk_norm_rope k cache {what}"))
+            assert np.array_equal(vch[pos], v), f"qk_norm_rope v cache {what}"
+            rest = np.setdiff1d(np.arange(s_max), pos)
+            assert np.isnan(kch[rest]).all() and np.isnan(vch[rest]).all(), \
+                f"qk_norm_rope wrote cache rows outside positions ({what})"
     return max(errs)
 
 
@@ -367,6 +386,7 @@ def run_sim_checks() -> None:
     print(f"ok norm/rope/embed {time.time() - t0:.0f}s", flush=True)
     check_qk_norm_rope(rng, t=2, hq=3, hkv=2, d=16, r=16)
     check_qk_norm_rope(rng, t=1, hq=2, hkv=1, d=40, r=8, w_offset=1.0, scaling=0.9)
+    check_qk_norm_rope(rng, t=3, hq=4, hkv=2, d=16, r=8, store=True)
     print(f"ok qk_norm_rope {time.time() - t0:.0f}s", flush=True)
     check_attention(rng, s_max=20, hq=2, hkv=1, d=8, split=8, t_prefill=5, window=3)
     check_attention(rng, s_max=13, hq=4, hkv=2, d=12, split=2, t_prefill=3, window=4,
@@ -454,6 +474,8 @@ def test_qk_norm_rope_gpu():
     check_qk_norm_rope(rng, t=1, hq=32, hkv=4, d=128, r=128)
     check_qk_norm_rope(rng, t=7, hq=16, hkv=2, d=256, r=64, w_offset=1.0)
     check_qk_norm_rope(rng, t=40, hq=32, hkv=4, d=128, r=128, scaling=1.2)
+    check_qk_norm_rope(rng, t=1, hq=32, hkv=4, d=128, r=128, store=True)
+    check_qk_norm_rope(rng, t=9, hq=16, hkv=2, d=256, r=64, w_offset=1.0, store=True)
 
 
 @pytest.mark.gpu
