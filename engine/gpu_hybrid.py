@@ -11,6 +11,8 @@ What changes against GpuDecoder, and why it keeps its decode step (graphs, strea
   conv taps as [C, Kc]; -exp(A_log).
 - run state: KV cache only for the full-attention layers; conv state [Ll, Kc-1, C] and the
   recurrent state [Ll, Nv, Dk, Dv] float32, zeroed per request (no allocation).
+- the gated delta rule: the token scan at decode (graph-captured) and for short prefill chunks,
+  the chunked kernel for prefill chunks of chunked_min_t tokens and more (the same recurrence).
 - the shared expert runs in the dense segment right after the router and adds into the residual,
   so the per-layer graph segments (dense | experts) stay as they are.
 - graph capture runs every segment once for real: the recurrent state is saved before and put
@@ -164,6 +166,9 @@ class GpuHybridDecoder(GpuDecoder):
         super().__init__(c, HybridWeights(c, weight), *args, **kw)
         # each layer's index in the state of its kind
         self.slot = {l: i for kind in (c.full_layers, c.linear_layers) for i, l in enumerate(kind)}
+        # prefill chunks of this many tokens or more run the chunked delta rule, shorter ones and
+        # decode (T = 1, the captured graphs) the token scan; None: Dk too large for its shared arrays
+        self.chunked_min_t = gdn.CH_MIN_T if c.lin_k_dim <= gdn.CH_DK else None
         qd, kv = c.q_dim, c.kv_dim
         self._attn_rows = dict(zip(ATTN_PARTS, ((0, qd), (qd, 2 * qd), (2 * qd, 2 * qd + kv),
                                                 (2 * qd + kv, 2 * qd + 2 * kv))))
@@ -221,7 +226,8 @@ class GpuHybridDecoder(GpuDecoder):
 
     def _deltanet(self, l, b, t, st):
         """Fused input projections, causal conv (in place, rolling state), gated delta rule
-        (gates folded in, recurrent state in place), gated RMSNorm, out projection, residual."""
+        (gates folded in, recurrent state in place; chunked from chunked_min_t tokens), gated
+        RMSNorm, out projection, residual."""
         c, cs = self.c, self.cs
         x, h = b.x[:t], b.h[:t]
         gd.rmsnorm(x, self.w("attn_norm", l), c.rms_eps, h, cs)
@@ -231,8 +237,9 @@ class GpuHybridDecoder(GpuDecoder):
         qkv, z = qkvz[:, :c.conv_dim], qkvz[:, c.conv_dim:]      # column views [T, C], [T, Nv Dv]
         s = self.slot[l]
         gdn.conv1d_silu(qkv, self.w("dn_conv", l), st.conv[s], qkv, cs)
-        gdn.delta_rule(qkv, ba, self.w("dn_neg_a", l), self.w("dn_dt_bias", l), c.lin_k_heads,
-                       st.ssm[s], o, cs)
+        chunked = self.chunked_min_t is not None and t >= self.chunked_min_t
+        rule = gdn.delta_rule_chunked if chunked else gdn.delta_rule
+        rule(qkv, ba, self.w("dn_neg_a", l), self.w("dn_dt_bias", l), c.lin_k_heads, st.ssm[s], o, cs)
         gdn.rmsnorm_gated(o, z, self.w("dn_norm", l), c.rms_eps, o, cs)
         self._linear(self.w("dn_out", l), o, b.o[:t])
         gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)

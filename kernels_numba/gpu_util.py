@@ -163,6 +163,18 @@ else:
         return v, i
 
 
+if SIM:
+    @cuda.jit(device=True)
+    def warp_sync():
+        """Orders shared-memory accesses among a warp's lanes (the simulator has no syncwarp: a
+        block barrier there, so every thread of the block must reach each call)."""
+        cuda.syncthreads()
+else:
+    @cuda.jit(device=True, inline=True)
+    def warp_sync():
+        cuda.syncwarp()
+
+
 @cuda.jit(device=True, inline=True)
 def block_sum(v, red, wred):
     """Sum over the whole block, to every thread. wred: float32 shared [>= warps]."""
@@ -231,5 +243,5 @@ def poison(arr) -> None:
 
 
 __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "float_as_uint",
-           "bf16_lo", "bf16_hi", "bf16_at", "warp_sum", "warp_max", "warp_argmax", "block_sum",
-           "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15"]
+           "bf16_lo", "bf16_hi", "bf16_at", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
+           "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15"]

@@ -3,12 +3,14 @@
 Kernels (kernels_numba/gpu_deltanet.py, and the gated-attention pieces built from gpu_dense)
 against the numpy oracles in kernels_numba/reference.py on fresh random inputs, outputs poisoned
 with NaN first; the whole GpuHybridDecoder against the CPU backend and transformers.
-- CPU-only CI: test_simulator_kernels() and test_simulator_decoder() run this file as a script
-  in a subprocess with NUMBA_ENABLE_CUDASIM=1 (set before numba.cuda is imported), tiny shapes.
+- CPU-only CI: test_simulator_kernels(), test_simulator_delta_rule() and test_simulator_decoder()
+  run this file as a script in a subprocess with NUMBA_ENABLE_CUDASIM=1 (set before numba.cuda
+  is imported), tiny shapes.
 - A GPU (marker gpu): the kernels at Qwen3-Next-80B shapes, and the engine end to end on tiny
   models: cuda = cpu = transformers, graph replay = eager, prefill = token by token, streamed
   under a tiny VRAM budget = all resident.
-Run the simulator checks directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_gpu_hybrid.py [MODEL_DIR]
+Run the simulator checks directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_gpu_hybrid.py
+[delta | MODEL_DIR] (no argument: the other kernels; delta: both delta-rule kernels).
 """
 from __future__ import annotations
 
@@ -91,27 +93,59 @@ def check_gates(rng, t, nv):
     _close(g.copy_to_host(), wg, what="g")
 
 
-def check_delta_rule(rng, t, nk, nv, dk, dv):
-    """The delta-rule kernel on a conv-output-shaped [T, q | k | v] slice with the gates folded
-    in, against reference.deltanet_gates + reference.gated_delta_rule; state updated in place."""
-    from kernels_numba import gpu_deltanet as gdn
-    stream = cuda.stream()
+def _delta_case(rng, t, nk, nv, dk, dv, a_scale=0.5):
+    """A conv-output-shaped [T, q | k | v | 3 more] host input, gate inputs [T, b | a], A_log,
+    dt_bias, a nonzero initial state; and reference.deltanet_gates + reference.gated_delta_rule's
+    (out [T, Nv, Dv], state). a_scale: spread of A_log (larger, faster decay)."""
     kd = nk * dk
     q, k, v = _rnd(rng, t, nk, dk), _rnd(rng, t, nk, dk), _rnd(rng, t, nv, dv)
     qkvz = np.concatenate([q.reshape(t, kd), k.reshape(t, kd), v.reshape(t, nv * dv),
                            _rnd(rng, t, 3)], axis=1)
     ba = np.concatenate([_rnd(rng, t, nv, scale=2), _rnd(rng, t, nv, scale=2)], axis=1)
-    a_log, dt = _rnd(rng, nv, scale=0.5), _rnd(rng, nv)
+    a_log, dt = _rnd(rng, nv, scale=a_scale), _rnd(rng, nv)
     state = _rnd(rng, nv, dk, dv, scale=0.3)
     beta, g = ref.deltanet_gates(ba[:, :nv], ba[:, nv:], a_log, dt)
-    want, want_state = ref.gated_delta_rule(q, k, v, g, beta, state)
+    return (qkvz, ba, a_log, dt, state), ref.gated_delta_rule(q, k, v, g, beta, state)
+
+
+def _run_delta(rule, case, nk):
+    """A delta-rule launcher on fresh device copies of a case, the output poisoned, fed the
+    [T, q | k | v] column slice -> (out [T, Nv, Dv], state), on the host."""
+    qkvz, ba, a_log, dt, state = case
+    nv, dk, dv = state.shape
+    t, c = qkvz.shape[0], 2 * nk * dk + nv * dv
+    stream = cuda.stream()
     dq, dstate, out = cuda.to_device(qkvz), cuda.to_device(state), _nan((t, nv * dv))
-    gdn.delta_rule(dq[:, :2 * kd + nv * dv], cuda.to_device(ba), cuda.to_device(-np.exp(a_log)),
-                   cuda.to_device(dt), nk, dstate, out, stream)
+    rule(dq[:, :c], cuda.to_device(ba), cuda.to_device(-np.exp(a_log)), cuda.to_device(dt), nk,
+         dstate, out, stream)
     stream.synchronize()
-    e = _close(out.copy_to_host().reshape(t, nv, dv), want, tol=1e-4,
-               what=f"delta rule T={t} Nk={nk} Nv={nv} Dk={dk} Dv={dv}")
-    _close(dstate.copy_to_host(), want_state, tol=1e-4, what="delta rule state")
+    assert np.array_equal(dq.copy_to_host(), qkvz), "delta rule wrote into its input"
+    return out.copy_to_host().reshape(t, nv, dv), dstate.copy_to_host()
+
+
+def check_delta_rule(rng, t, nk, nv, dk, dv):
+    """The token-scan kernel (gates folded in, state updated in place) against the oracle."""
+    from kernels_numba import gpu_deltanet as gdn
+    case, (want, want_state) = _delta_case(rng, t, nk, nv, dk, dv)
+    got, got_state = _run_delta(gdn.delta_rule, case, nk)
+    what = f"delta rule T={t} Nk={nk} Nv={nv} Dk={dk} Dv={dv}"
+    e = _close(got, want, tol=1e-4, what=what)
+    _close(got_state, want_state, tol=1e-4, what=what + " state")
+    return e
+
+
+def check_delta_rule_chunked(rng, t, nk, nv, dk, dv, a_scale=0.5):
+    """The chunked kernel against the oracle and against the token scan on the same inputs,
+    outputs and final state."""
+    from kernels_numba import gpu_deltanet as gdn
+    case, (want, want_state) = _delta_case(rng, t, nk, nv, dk, dv, a_scale)
+    got, got_state = _run_delta(gdn.delta_rule_chunked, case, nk)
+    scan, scan_state = _run_delta(gdn.delta_rule, case, nk)
+    what = f"chunked delta rule T={t} (chunk {gdn.CH_T}) Nk={nk} Nv={nv} Dk={dk} Dv={dv}"
+    e = _close(got, want, tol=1e-4, what=what)
+    _close(got_state, want_state, tol=1e-4, what=what + " state")
+    _close(got, scan, tol=1e-4, what=what + " vs the scan")
+    _close(got_state, scan_state, tol=1e-4, what=what + " state vs the scan")
     return e
 
 
@@ -222,10 +256,6 @@ def run_sim_kernel_checks() -> None:
     check_conv(rng, 3, 9, 2)
     check_gates(rng, 4, 6)
     print(f"ok conv, gates {time.time() - t0:.0f}s", flush=True)
-    check_delta_rule(rng, 1, 2, 4, 8, 12)
-    check_delta_rule(rng, 5, 1, 3, 16, 8)
-    check_delta_rule(rng, 3, 2, 2, 10, 6)       # Dk not a multiple of the split, Dv < a tile
-    print(f"ok delta rule {time.time() - t0:.0f}s", flush=True)
     check_rmsnorm_gated(rng, 3, 4, 12)
     check_sigmoid_gate(rng, 2, 16)
     check_gated_attention_pieces(rng, t=4, h=16, hq=2, hkv=1, d=8, partial=0.5)
@@ -233,11 +263,31 @@ def run_sim_kernel_checks() -> None:
     print("SIM KERNELS PASSED", flush=True)
 
 
+def run_sim_delta_checks() -> None:
+    """Both delta-rule kernels; the chunked one at chunk 8 here (CH_T under the simulator)."""
+    from kernels_numba import gpu_deltanet as gdn
+    assert gdn.CH_T == 8 and gdn.CH_COLS == 4 and gdn.CH_DK == 32
+    rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
+    t0 = time.time()
+    check_delta_rule(rng, 1, 2, 4, 8, 12)
+    check_delta_rule(rng, 5, 1, 3, 16, 8)
+    check_delta_rule(rng, 3, 2, 2, 10, 6)       # Dk not a multiple of the split, Dv < a tile
+    print(f"ok delta rule {time.time() - t0:.0f}s", flush=True)
+    check_delta_rule_chunked(rng, 1, 2, 2, 8, 4)
+    check_delta_rule_chunked(rng, 5, 1, 3, 16, 8)         # T < chunk; 3 value heads on one key head
+    check_delta_rule_chunked(rng, 8, 2, 4, 8, 6)          # T = chunk; Dv not a multiple of CH_COLS
+    check_delta_rule_chunked(rng, 21, 2, 4, 10, 6)        # 3 chunks, the last partial; odd Dk
+    check_delta_rule_chunked(rng, 16, 1, 2, 32, 4, a_scale=2.0)   # Dk = CH_DK, fast decay
+    print(f"ok chunked delta rule {time.time() - t0:.0f}s", flush=True)
+    print("SIM DELTA PASSED", flush=True)
+
+
 def run_sim_decoder_check(model: Path) -> None:
     """The eager GpuHybridDecoder (the simulator has no CUDA graphs) against the CPU backend: a
-    2-token prefill (the T > 1 path: per-part projections, grouped experts) and a greedy decode
-    step (the T = 1 path the graphs capture), logits compared at each. Kept this small: the
-    simulator costs about 0.1 s per 64-thread block, and a forward launches some 150 of them."""
+    2-token prefill (the T > 1 path: per-part projections, grouped experts, the chunked delta
+    rule, its threshold lowered) and a greedy decode step (the T = 1 path the graphs capture:
+    the token scan), logits compared at each. Kept this small: the simulator costs about 0.1 s
+    per 64-thread block, and a forward launches some 150 of them."""
     import engine
     from conftest import rel_err
     cpu = engine.load(model, device="cpu").model
@@ -245,6 +295,7 @@ def run_sim_decoder_check(model: Path) -> None:
     dec = g.gpu
     dec.use_graphs = False
     assert type(dec).__name__ == "GpuHybridDecoder"
+    dec.chunked_min_t = 2
     sc, sg = cpu.new_state(8), dec.new_state(8)
     ids, toks, errs = np.array([3, 17]), [], []
     lc = np.asarray(cpu.forward(ids, sc, all_logits=True))
@@ -273,6 +324,11 @@ def test_simulator_kernels():
     assert r.returncode == 0 and "SIM KERNELS PASSED" in r.stdout, r.stdout + r.stderr
 
 
+def test_simulator_delta_rule():
+    r = _run_sim("delta")
+    assert r.returncode == 0 and "SIM DELTA PASSED" in r.stdout, r.stdout + r.stderr
+
+
 def test_simulator_decoder(tmp_path):
     from test_hybrid import L, F, build
     # DeltaNet + dense MLP, then gated attention + experts + shared expert (two value heads share
@@ -290,6 +346,17 @@ def test_simulator_decoder(tmp_path):
 
 _HAVE_GPU = (not SIM) and cuda.is_available()
 gpu = pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 31, 32, 77, 300, 2048])
+def test_delta_rule_chunked_gpu_qwen3_next_shapes(t):
+    """The chunked delta rule at Qwen3-Next-80B shapes (Nk 16, Nv 32, Dk = Dv = 128; chunk 32
+    here) against the oracle and the token scan: T below, at, across chunks, a long prefill."""
+    rng = np.random.default_rng(11 + t)
+    check_delta_rule_chunked(rng, t, 16, 32, 128, 128)
+    check_delta_rule_chunked(rng, t, 16, 32, 128, 128, a_scale=2.0)
 
 
 @pytest.mark.gpu
@@ -355,9 +422,12 @@ def test_graph_replay_equals_eager(tmp_path, resident):
 
 
 @pytest.mark.gpu
-def test_prefill_equals_token_by_token(tmp_path):
+@pytest.mark.parametrize("prefill_chunk,chunked_min_t", [(16, None), (40, 8)],
+                         ids=["scan", "chunked"])
+def test_prefill_equals_token_by_token(tmp_path, prefill_chunk, chunked_min_t):
     """A prompt longer than the prefill chunk, in chunks, == one token at a time (graphs), and
-    the recurrent state ends the same."""
+    the recurrent state ends the same; the prefill's delta rule the token scan, or chunked (45
+    tokens: a 40-token pass over two of its chunks, the last partial, then 5 tokens scanned)."""
     import engine
     from conftest import rel_err
     from test_hybrid import ids_for
@@ -365,7 +435,8 @@ def test_prefill_equals_token_by_token(tmp_path):
     ids = ids_for(45, seed=1)
     m = engine.load(tmp_path, device="cuda")
     dec = m.gpu
-    dec.prefill_chunk = 16
+    dec.prefill_chunk = prefill_chunk
+    dec.chunked_min_t = chunked_min_t
     st = dec.new_state(64)
     pre = dec.forward(ids, st, all_logits=True)
     ssm = st.ssm.copy_to_host()
@@ -398,7 +469,9 @@ def test_streaming_under_tiny_vram_same_tokens(tmp_path):
 if __name__ == "__main__":
     if not SIM:
         sys.exit("run with NUMBA_ENABLE_CUDASIM=1 (or through pytest)")
-    if len(sys.argv) > 1:
+    if sys.argv[1:] == ["delta"]:
+        run_sim_delta_checks()
+    elif len(sys.argv) > 1:
         run_sim_decoder_check(Path(sys.argv[1]))
     else:
         run_sim_kernel_checks()

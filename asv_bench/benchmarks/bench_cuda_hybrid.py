@@ -1,5 +1,6 @@
 """One Gated DeltaNet layer of Qwen3-Next-80B-A3B on the GPU, decode (T = 1), next to the HBM
-bandwidth measured in the same run.
+bandwidth measured in the same run; and the gated delta rule over a prefill chunk, the token scan
+against the chunked kernel (DeltaRulePrefill: where the decoder's switch, CH_MIN_T, belongs).
 
 The layer as engine/gpu_hybrid.py runs it: RMSNorm, the fused [q | k | v | z] projection
 (bf16 [12288, 2048]), the [b | a] projection (bf16 [64, 2048]), causal conv1d + SiLU (rolling
@@ -128,6 +129,34 @@ class DeltaNetLayerSetup:
         return _time_us(self.stream, fn)
 
 
+class DeltaRuleSetup:
+    """Inputs of the gated delta rule over T prefill tokens at Qwen3-Next-80B shapes: the conv
+    output [T, C] (a column slice of the [T, C + Nv Dv] projection buffer, as the decoder passes
+    it), gate inputs [T, 2 Nv], state [Nv, Dk, Dv] (updated by every call), out [T, Nv Dv]."""
+
+    def __init__(self, t: int):
+        from numba import cuda
+        rng = np.random.default_rng(2)
+        c = 2 * NK * DK + NV * DV
+        self.qkvz = cuda.to_device(rng.standard_normal((t, c + NV * DV)).astype(np.float32))
+        self.qkv = self.qkvz[:, :c]
+        self.ba = cuda.to_device(rng.standard_normal((t, 2 * NV)).astype(np.float32))
+        self.neg_a = cuda.to_device(-np.exp(rng.uniform(0, 2.7, NV)).astype(np.float32))
+        self.dt_bias = cuda.to_device(rng.standard_normal(NV).astype(np.float32))
+        self.ssm = cuda.to_device((rng.standard_normal((NV, DK, DV)) * 0.01).astype(np.float32))
+        self.o = cuda.device_array((t, NV * DV), np.float32)
+        self.stream = cuda.stream()
+
+    def us(self, kernel: str) -> float:
+        from kernels_numba import gpu_deltanet as gdn
+        rule = gdn.delta_rule_chunked if kernel == "chunked" else gdn.delta_rule
+        return _time_us(self.stream, lambda: rule(self.qkv, self.ba, self.neg_a, self.dt_bias, NK,
+                                                  self.ssm, self.o, self.stream), reps=5)
+
+
+PREFILL_T = [16, 64, 256, 1024, 2048]
+
+
 # ---- asv suite --------------------------------------------------------------------------------
 
 class DeltaNetLayer:
@@ -144,6 +173,21 @@ class DeltaNetLayer:
     def track_eager_us(self):
         return self.s.layer_us(False)
     track_eager_us.unit = "us"
+
+
+class DeltaRulePrefill:
+    """The delta rule over T prefill tokens, one DeltaNet layer: token scan vs chunked, us."""
+    params = (PREFILL_T, ["scan", "chunked"])
+    param_names = ["t", "kernel"]
+    timeout = 300
+
+    def setup(self, t, kernel):
+        _need_gpu()
+        self.s = DeltaRuleSetup(t)
+
+    def track_us(self, t, kernel):
+        return self.s.us(kernel)
+    track_us.unit = "us"
 
 
 def main(out_path=None):
@@ -165,6 +209,12 @@ def main(out_path=None):
           f"graph {res['graph_us']:.1f} us ({s.graph.nodes} nodes) | {b / 1e6:.1f} MB moved -> bound "
           f"{res['bound_us']:.1f} us at copy bandwidth | bound/graph {res['graph_over_bound']:.2f}", flush=True)
     print("  per op (us): " + ", ".join(f"{k} {v:.1f}" for k, v in res["breakdown_us"].items()), flush=True)
+    res["prefill_delta_rule_us"] = {}
+    for t in PREFILL_T:
+        d = DeltaRuleSetup(t)
+        res["prefill_delta_rule_us"][t] = r = {k: d.us(k) for k in ("scan", "chunked")}
+        print(f"  delta rule, prefill T={t}: scan {r['scan']:.1f} us, chunked {r['chunked']:.1f} us "
+              f"({r['scan'] / r['chunked']:.2f}x)", flush=True)
     if out_path:
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
