@@ -26,8 +26,8 @@ GEMM_MIN_T = 8           # below this many tokens the matvec kernel beats the ti
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
-    """Device bytes of the activations for a prefill chunk of t tokens (Buffers below) and the
-    logits: what the planner reserves beside the KV cache."""
+    """Device bytes of the activations for a prefill chunk of t tokens (Buffers below), the
+    logits and the device sampler's scratch: what the planner reserves beside the KV cache."""
     from kernels_numba.gpu_attention import num_splits
     # attention scratch: a chunk of t queries gets t times fewer pieces than one decode query
     # (alloc_partials), and the one-token buffers of the decode graphs are kept beside it
@@ -104,6 +104,7 @@ def embed_on_host(c) -> bool:
 
 class GpuDecoder:
     fuse_qkv = True   # families whose q / k / v are plain projections of the normed input
+    pipelines = True  # decode_stream: an extra token's KV row past st.pos is harmless
     buffers_cls = Buffers       # run-state classes: engine/gpu_hybrid.py extends them
     state_cls = GpuRunState
 
@@ -171,6 +172,15 @@ class GpuDecoder:
         self.state = None
         self.logits_d = None
         self.logits_h = None
+        # device sampling (forward_sample, decode_stream): the setting and the draw go in through
+        # pinned memory and one copy inside the graph, so a graph serves any setting; only the id
+        # comes back. Two slots: a pipelined token's are written while the one before is in flight
+        self.samp_h = cuda.pinned_array((2, 4), np.float32)   # [slot] (temp, top_k, top_p, u)
+        self.samp_h[:] = (0.0, 0.0, 1.0, 0.0)                 # greedy for the graph warm-up
+        self.samp_d = cuda.device_array(4, np.float32)
+        self.probs_d = cuda.device_array(c.vocab_size, np.float32)   # sampler scratch [V]
+        self.tok_out_h = cuda.pinned_array(2, np.int32)       # [slot] the sampled id
+        self._sampled = [cuda.event() for _ in range(2)]      # [slot] its id has landed
 
     def w(self, key: str, layer: int | None = None):
         """Dense weight on the device (uploaded on first use; 1-D weights as float32). q, k and v
@@ -315,11 +325,82 @@ class GpuDecoder:
                 outs.append(r)
         return np.concatenate(outs, axis=0)
 
-    def _forward_chunk(self, ids, st, all_logits, last):
+    def forward_sample(self, tid: int, st: GpuRunState, temperature: float, top_k: int,
+                       top_p: float, u: float) -> int:
+        """One decode token, sampled on the device: 4 bytes come back instead of the logits, and
+        the host sorts nothing. The draw of CpuOps.sample with the same u (gpu_sampling.sample),
+        up to float32 rounding at thresholds."""
+        if st.pos + 1 > st.max_context:
+            raise ValueError(f"context full: {st.pos} + 1 tokens exceed the "
+                             f"{st.max_context}-token context (raise --max-context)")
+        self.samp_h[0] = (temperature, top_k, top_p, u)
+        if self.use_graphs:
+            return self._decode_graphed(int(tid), st, sample=True)
+        return self._forward_chunk(np.array([tid]), st, False, True, sample=True)
+
+    def can_pipeline(self) -> bool:
+        """Whether decode_stream may run: one graph a token (every expert resident, routing on
+        the device), nobody reading each token's routing on the host, and a state that an
+        unused extra token leaves valid (a KV row past st.pos; not a recurrent state)."""
+        return (self.pipelines and self.use_graphs and self.on_route is None
+                and self.plan.all_resident)
+
+    def decode_stream(self, tid: int, st: GpuRunState, temperature: float, top_k: int,
+                      top_p: float, draw, n: int):
+        """Yields the n ids after tid, sampled on the device, pipelined: token i + 1's graph is
+        launched before token i's id is read (the sampler writes the id into the device token
+        buffer the embedding reads, and advances the device position), so the host's work
+        between tokens overlaps the GPU's. draw() -> u in [0, 1), called once per launched token
+        in order (the runtime's rng.random()). st.pos counts the tokens whose ids were read;
+        ending early (a stop id, the caller gone) leaves one more token's KV row written past
+        st.pos, which the next forward overwrites. Without graphs (use_graphs False, the
+        simulator) the same segments launch one by one."""
+        if st.pos + n > st.max_context:
+            raise ValueError(f"context full: {st.pos} + {n} tokens exceed the "
+                             f"{st.max_context}-token context (raise --max-context)")
+        c, cs, b = self.c, self.cs, self.one
+        if not self._resident_all():
+            raise RuntimeError("decode_stream needs every expert resident")
+        if self.use_graphs:
+            if self._graphs is None:
+                self._capture(st)
+            g = self._graphs
+
+            def run(key):
+                g[key].launch(cs)
+        else:
+            segs = self._segments(st)
+
+            def run(key):
+                segs[key](cs)
+
+        def launch(i):
+            k = i % 2   # slot k was last used by token i - 2, whose id was read
+            self.samp_h[k] = (temperature, top_k, top_p, draw())
+            run("token")
+            run(("sample", k))
+            self._sampled[k].record(cs)
+
+        b.tok_h[0], b.pos_h[0] = tid, st.pos
+        try:
+            run("feed")
+            if n > 0:
+                launch(0)
+            for i in range(n):
+                if i + 1 < n:
+                    launch(i + 1)
+                self._sampled[i % 2].synchronize()
+                st.pos += 1
+                self.res.stats.vram_hits += len(c.moe_layers) * c.top_k
+                yield int(self.tok_out_h[i % 2])
+        finally:
+            cs.synchronize()   # nothing in flight still reads the pinned slots
+
+    def _forward_chunk(self, ids, st, all_logits, last, sample=False):
         c, cs = self.c, self.cs
         t = len(ids)
         if t == 1 and self.use_graphs and not all_logits:
-            return self._decode_graphed(int(ids[0]), st)
+            return self._decode_graphed(int(ids[0]), st, sample)
         b = self._buffers(t)
         b.tok_h[:t] = ids
         b.pos_h[:t] = np.arange(st.pos, st.pos + t, dtype=np.int32)
@@ -349,6 +430,10 @@ class GpuDecoder:
             self._graphs = None   # captured graphs wrote into the old buffer
         lw = self.w("embed") if c.tie_embeddings else self.w("lm_head")
         self._linear(lw, hn, self.logits_d[:n])
+        if sample:
+            self._seg_sample(0)
+            cs.synchronize()
+            return int(self.tok_out_h[0])
         self.logits_d[:n].copy_to_host(self.logits_h[:n], stream=cs)
         cs.synchronize()
         return np.array(self.logits_h[:n])
@@ -356,14 +441,20 @@ class GpuDecoder:
     # ---- decode as CUDA graphs ----------------------------------------------------------------
     # Segments captured once per run state, replayed every token: embed; per layer the dense
     # work + router (ids copied to pinned host memory inside the graph) and the expert launch
-    # pair through the device slot table; the head (logits to the host). When every expert is
-    # resident, the slot table is filled on the device and the whole token is one graph.
+    # pair through the device slot table; the head (final norm + lm_head). When every expert is
+    # resident, the slot table is filled on the device and the whole token is one graph after
+    # a small one that feeds the token and position in. Then one of the small tails: the logits
+    # to the host (forward) or the device sampler (the setting in, the id out: forward_sample,
+    # decode_stream).
 
-    def _seg_embed(self):
+    def _seg_feed(self):
         b, cs = self.one, self.cs
         b.tok.copy_to_device(b.tok_h, stream=cs)
         b.pos.copy_to_device(b.pos_h, stream=cs)
-        gd.embed(b.tok, self.w("embed"), b.x, cs)
+
+    def _seg_embed(self):
+        self._seg_feed()
+        gd.embed(self.one.tok, self.w("embed"), self.one.x, self.cs)
 
     def _seg_layer_dense(self, l, st):
         b, c, cs = self.one, self.c, self.cs
@@ -401,7 +492,19 @@ class GpuDecoder:
         gd.rmsnorm(b.x, self.w("final_norm"), c.rms_eps, b.h, cs)
         lw = self.w("embed") if c.tie_embeddings else self.w("lm_head")
         self._linear(lw, b.h, self.logits_d[:1])
-        self.logits_d[:1].copy_to_host(self.logits_h[:1], stream=cs)
+
+    def _seg_logits(self):
+        self.logits_d[:1].copy_to_host(self.logits_h[:1], stream=self.cs)
+
+    def _seg_sample(self, k: int):
+        """The last token's logits (row 0) -> its id, with the setting in slot k of samp_h: into
+        the device token buffer (the next token's input), the position advanced, the id copied
+        to slot k of tok_out_h."""
+        b, cs = self.one, self.cs
+        self.samp_d.copy_to_device(self.samp_h[k], stream=cs)
+        gs.sample(self.logits_d[0], self.samp_d[:3], self.samp_d[3:], self.probs_d, b.tok, cs)
+        gm.advance(b.pos, cs)
+        b.tok.copy_to_host(self.tok_out_h[k:k + 1], stream=cs)
 
     def _resident_all(self) -> bool:
         """Every expert in its own slot: load them once, then route on the device."""
@@ -428,41 +531,52 @@ class GpuDecoder:
             self.logits_d = cuda.device_array((1, c.vocab_size), np.float32)
             self.logits_h = cuda.pinned_array((1, c.vocab_size), np.float32)
         # warm-up runs execute for real: point them at the last cache row, which any real
-        # sequence overwrites before it reads it
+        # sequence overwrites before it reads it (the feed runs first)
         b.tok_h[0], b.pos_h[0] = 0, st.max_context - 1
-        resident = self._resident_all()
-        if resident:
-            def token(s):
-                self._seg_embed()
-                for l in range(c.n_layers):
-                    self._seg_layer_dense(l, st)
-                    if l in c.moe_layers:
-                        self._seg_experts(l, True)
-                self.ids_all_d.copy_to_host(self.ids_all_h, stream=cs)
-                self._seg_head()
-            self._dev_route = True
-            try:
-                self._graphs = {"token": capture_fn(token, cs)}
-            finally:
-                self._dev_route = False
-        else:
-            g = {"embed": capture_fn(lambda s: self._seg_embed(), cs),
-                 "head": capture_fn(lambda s: self._seg_head(), cs)}
-            for l in range(c.n_layers):
-                g[("dense", l)] = capture_fn(lambda s, l=l: self._seg_layer_dense(l, st), cs)
-                if l in c.moe_layers:
-                    g[("experts", l)] = capture_fn(lambda s, l=l: self._seg_experts(l, False), cs)
-            self._graphs = g
+        self._graphs = {k: capture_fn(f, cs) for k, f in self._segments(st).items()}
         cs.synchronize()
 
-    def _decode_graphed(self, tid: int, st) -> np.ndarray:
+    def _segments(self, st) -> dict:
+        """name -> fn(stream): the launches of a decode token, in the order of a first run."""
+        c, cs, b = self.c, self.cs, self.one
+        if self._resident_all():
+            def token(s):
+                self._dev_route = True   # ids stay on the device: one copy a token, below
+                try:
+                    gd.embed(b.tok, self.w("embed"), b.x, cs)
+                    for l in range(c.n_layers):
+                        self._seg_layer_dense(l, st)
+                        if l in c.moe_layers:
+                            self._seg_experts(l, True)
+                    self.ids_all_d.copy_to_host(self.ids_all_h, stream=cs)
+                    self._seg_head()
+                finally:
+                    self._dev_route = False
+            segs = {"feed": lambda s: self._seg_feed(), "token": token}
+        else:
+            segs = {"embed": lambda s: self._seg_embed(), "head": lambda s: self._seg_head()}
+            for l in range(c.n_layers):
+                segs[("dense", l)] = lambda s, l=l: self._seg_layer_dense(l, st)
+                if l in c.moe_layers:
+                    segs[("experts", l)] = lambda s, l=l: self._seg_experts(l, False)
+        segs["logits"] = lambda s: self._seg_logits()
+        for k in range(2):
+            segs[("sample", k)] = lambda s, k=k: self._seg_sample(k)
+        return segs
+
+    def _decode_graphed(self, tid: int, st, sample: bool = False):
+        """One token through the graphs -> logits float32 [1, V], or with sample its id drawn
+        on the device with the setting in slot 0 of samp_h."""
         c, cs, b = self.c, self.cs, self.one
         if self._graphs is None:
             self._capture(st)
         g = self._graphs
+        tail = g[("sample", 0) if sample else "logits"]
         b.tok_h[0], b.pos_h[0] = tid, st.pos
         if "token" in g:
+            g["feed"].launch(cs)
             g["token"].launch(cs)
+            tail.launch(cs)
             cs.synchronize()
             self.res.stats.vram_hits += len(c.moe_layers) * c.top_k
             if self.on_route is not None:
@@ -498,12 +612,13 @@ class GpuDecoder:
                         pred = self.route_override(nl, pred[None])[0]
                     self.res.speculate(nl, pred, protect={(l, int(e)) for e in ids[0]})
             g["head"].launch(cs)
+            tail.launch(cs)
             cs.synchronize()
             # the compute stream stood idle from the router's ids to the last copy of the layer
             self.res.stats.h2d_wait_s += 1e-3 * sum(max(cuda.event_elapsed_time(a, b), 0.0)
                                                    for a, b in waits)
         st.pos += 1
-        return np.array(self.logits_h[:1])
+        return int(self.tok_out_h[0]) if sample else np.array(self.logits_h[:1])
 
     def _linear(self, w, x, y):
         (gd.gemm if x.shape[0] >= GEMM_MIN_T else gd.linear)(w, x, y, self.cs)

@@ -32,6 +32,9 @@ class GenerationParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_ids: tuple | None = None   # None = the model's EOS ids
+    # nothing here needs the logits on the host (no logprobs, penalties or logit bias: serve.py
+    # refuses them), so the cuda backend samples decode tokens on the device; a field that
+    # does must turn that off in Engine._samples_on_device
 
 
 @dataclass
@@ -259,6 +262,9 @@ class Engine:
             self.eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
         self.generation_defaults = gen
         self.state = None
+        # cuda: decode tokens drawn on the device, only the id read back (tests turn it off to
+        # compare with the host sampler)
+        self.sample_on_device = True
         # compile the sampler now (a few seconds without numba's cache), not in the first token
         self.ops.sample(np.zeros(4, np.float32), 1.0, 0, 0.9, 0.5)
 
@@ -388,24 +394,47 @@ class Engine:
                      prefill_tok_s=len(prompt_ids) / max(t1 - t0, 1e-9), decode_tokens=0, decode_s=0.0)
         stats["finish_reason"] = "length"
         c0 = self._counters()
+        ids = self._sampled_ids(logits[-1], st, params, rng, n_new)   # runs as the loop asks
         try:
-            ts = 0.0
             for i in range(n_new):
-                tid = self.ops.sample(np.asarray(logits[-1]), params.temperature, params.top_k,
-                                      params.top_p, rng.random())
+                ts = time.perf_counter()
+                tid = next(ids)
                 if i:   # a decode token's time: its forward pass + sampling from its logits
                     stats["decode_s"] += time.perf_counter() - ts
+                    stats["decode_tokens"] += 1
                 yield tid
                 if tid in stop:
                     stats["finish_reason"] = "stop"
                     break
-                if i == n_new - 1:
-                    break
-                ts = time.perf_counter()
-                logits = self.model.forward(np.asarray([tid], dtype=np.int64), st)
-                stats["decode_tokens"] += 1
         finally:   # also when the caller stops early (a stop string, a client gone)
+            ids.close()
             self._finish_stats(stats, c0)
+
+    def _sampled_ids(self, logits, st, params: GenerationParams, rng, n: int) -> Iterator[int]:
+        """n ids: the first from the prompt's last logits [V] on the host, then one forward pass
+        each, drawn with rng.random() in token order on every path: from the logits on the host,
+        or on the device (only the id read back), pipelined one token ahead where the decoder
+        can (engine/gpu.py decode_stream)."""
+        m, p = self.model, params
+        tid = self.ops.sample(np.asarray(logits), p.temperature, p.top_k, p.top_p, rng.random())
+        yield tid
+        if not self._samples_on_device(p):
+            for _ in range(n - 1):
+                logits = m.forward(np.asarray([tid], dtype=np.int64), st)
+                tid = self.ops.sample(np.asarray(logits[-1]), p.temperature, p.top_k, p.top_p,
+                                      rng.random())
+                yield tid
+        elif m.can_pipeline():
+            yield from m.decode_stream(tid, st, p.temperature, p.top_k, p.top_p, rng.random, n - 1)
+        else:
+            for _ in range(n - 1):
+                tid = m.forward_sample(tid, st, p.temperature, p.top_k, p.top_p, rng.random())
+                yield tid
+
+    def _samples_on_device(self, params: GenerationParams) -> bool:
+        """Whether decode tokens are drawn on the GPU (engine/gpu.py forward_sample): 4 bytes
+        read back a token instead of the logits, no host softmax. Every GenerationParams can."""
+        return self.device == "cuda" and self.sample_on_device
 
     def _finish_stats(self, stats: dict, c0: dict) -> None:
         stats["decode_tok_s"] = stats["decode_tokens"] / max(stats["decode_s"], 1e-9)

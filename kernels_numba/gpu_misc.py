@@ -1,5 +1,6 @@
 """Small CUDA kernels the decoder needs beside the dense / attention / expert families:
-KV-cache store at device positions, bias add, clamp, SwiGLU of a dense MLP, slot mapping.
+KV-cache store at device positions, bias add, clamp, SwiGLU of a dense MLP, slot mapping,
+position advance.
 
 Legend: T = tokens, Hkv = kv heads, D = head dim, S = cache positions, N = a row's size.
 Every launcher takes an explicit stream, allocates nothing and never syncs (graph-capturable).
@@ -96,3 +97,14 @@ def _zero(x):
 def zero(x, stream):
     """x [n] = 0 (pass .reshape(-1) of a contiguous array): clears state per request."""
     _zero[cdiv(x.shape[0], THREADS), THREADS, stream](x)
+
+
+@cuda.jit
+def _advance(pos):
+    pos[0] += 1
+
+
+def advance(pos, stream):
+    """pos int32 [1] += 1 on the device: the next decode token's position, when the host does
+    not wait for this one before launching the next (pipelined decode)."""
+    _advance[1, 1, stream](pos)

@@ -5,19 +5,21 @@ Legend: T = tokens, E = experts, K = top-k, V = vocab.
                  softmax over all E, K largest (lower index first on ties), renormalized when
                  norm_topk_prob. One warp per token, E <= ROUTER_MAX_E.
     argmax:      logits float32 [V] -> token int32 [1] (lowest index on ties). One block.
-    sample:      logits float32 [V], params float32 [3] = (temperature > 0, top_k, top_p),
+    sample:      logits float32 [V], params float32 [3] = (temperature, top_k, top_p),
                  u float32 [1] in [0, 1) (all device memory, so a graph serves any setting)
-                 -> token int32 [1]; scratch probs float32 [V]. One block: softmax, top-k and
-                 top-p thresholds by bisection on the float bits (31 passes each; probabilities
-                 are >= 0, so their bits order like their values), inverse-CDF draw in index
-                 order as reference.sample_from does. Ties at a threshold are all kept
-                 (reference.sample_probs keeps the lower indices).
+                 -> token int32 [1]; scratch probs float32 [V]. One block. The CPU sampler's
+                 draw (cpu.sample_logits, oracle reference.sample_token): temperature <= 0 is
+                 argmax; else softmax, top-k and top-p thresholds by bisection on the float bits
+                 (31 passes each; probabilities are >= 0, so their bits order like their
+                 values), inverse CDF with u in vocabulary order when nothing is cut, in
+                 probability order (ties in index order) when top_k > 0 or top_p < 1, which
+                 costs one more bisection. Ties at a threshold are all kept (the CPU sampler
+                 keeps the lower indices): the same u picks the same id up to float rounding.
 """
 from __future__ import annotations
 
 import math
 
-import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from .gpu_util import (NEG_INF, SIM, WARP, block_argmax, block_max, block_sum, float_as_uint,
@@ -112,23 +114,42 @@ def _mass_at_least(probs, thr, count_mode, red, wred):
 
 
 @cuda.jit(device=True, inline=True)
-def _bisect(probs, target, count_mode, red, wred):
-    """Largest bit pattern thr with mass_at_least(thr) >= target (probs >= 0)."""
+def _bisect(probs, target, count_mode, strict, red, wred):
+    """Largest bit pattern thr with mass_at_least(thr) >= target (> target when strict; 0 when
+    none) (probs >= 0)."""
     lo = uint32(0)
     hi = uint32(0x7F800000)
     while hi - lo > uint32(1):
         mid = lo + (hi - lo) // uint32(2)
-        if _mass_at_least(probs, mid, count_mode, red, wred) >= target:
+        m = _mass_at_least(probs, mid, count_mode, red, wred)
+        if m > target or (not strict and m == target):
             lo = mid
         else:
             hi = mid
     return lo
 
 
+@cuda.jit(device=True, inline=True)
+def _cut_below(probs, thr, red, wred):
+    """Zero the probabilities whose bits are below thr; the kept mass, to every thread."""
+    s = float32(0.0)
+    for i in range(cuda.threadIdx.x, probs.shape[0], cuda.blockDim.x):
+        pv = probs[i]
+        if float_as_uint(pv) < thr:
+            probs[i] = float32(0.0)
+        else:
+            s += pv
+    total = block_sum(s, red, wred)
+    cuda.syncthreads()
+    return total
+
+
 @cuda.jit
 def _sample(logits, params, u, probs, out):
     red = cuda.shared.array(BLOCK, float32)
+    red_i = cuda.shared.array(BLOCK, int32)
     wred = cuda.shared.array(MAX_WARPS, float32)
+    wred_i = cuda.shared.array(MAX_WARPS, int32)
     seg = cuda.shared.array(BLOCK, float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -136,6 +157,18 @@ def _sample(logits, params, u, probs, out):
     temp = params[0]
     top_k = int32(params[1])
     top_p = params[2]
+    if temp <= float32(0.0):   # greedy, in the same launch: a graph serves any temperature
+        bv = NEG_INF
+        bi = int32(V)
+        for i in range(tid, V, nt):
+            v = logits[i]
+            if v > bv:
+                bv = v
+                bi = i
+        bv, bi = block_argmax(bv, bi, red, red_i, wred, wred_i)
+        if tid == 0:
+            out[0] = bi if bi < V else 0   # all NaN: id 0, as the CPU sampler
+        return
     m = NEG_INF
     for i in range(tid, V, nt):
         m = max(m, logits[i] / temp)
@@ -148,63 +181,62 @@ def _sample(logits, params, u, probs, out):
     total = block_sum(s, red, wred)
     cuda.syncthreads()
     if top_k > 0 and top_k < V:
-        thr = _bisect(probs, float32(top_k), True, red, wred)
-        s = float32(0.0)
-        for i in range(tid, V, nt):
-            pv = probs[i]
-            if float_as_uint(pv) < thr:
-                probs[i] = float32(0.0)
-            else:
-                s += pv
-        total = block_sum(s, red, wred)
-        cuda.syncthreads()
-    if top_p < float32(1.0):
-        thr = _bisect(probs, top_p * total, False, red, wred)
-        s = float32(0.0)
-        for i in range(tid, V, nt):
-            pv = probs[i]
-            if float_as_uint(pv) < thr:
-                probs[i] = float32(0.0)
-            else:
-                s += pv
-        total = block_sum(s, red, wred)
-        cuda.syncthreads()
-    # inverse CDF in index order: contiguous segments per thread, serial prefix on thread 0
+        total = _cut_below(probs, _bisect(probs, float32(top_k), True, False, red, wred), red, wred)
+    if top_p < float32(1.0):   # top_p <= 0 keeps the most likely, as the CPU sampler does
+        need = max(top_p * total, float32(1e-30))
+        total = _cut_below(probs, _bisect(probs, need, False, False, red, wred), red, wred)
+    target = u[0] * total
+    # The CPU sampler (cpu.sample_logits) draws in vocabulary order when nothing is cut, else in
+    # probability order: there the draw lands on the probability level lvl where the mass of
+    # the levels at or above it first exceeds target, and within the level in index order after
+    # base = the mass above it. lvl 0 = every token in index order.
+    lvl = uint32(0)
+    base = float32(0.0)
+    if top_k > 0 or top_p < float32(1.0):
+        lvl = _bisect(probs, target, False, True, red, wred)
+        if lvl == uint32(0):   # target >= total (u rounded up): the least likely kept level
+            kept = _mass_at_least(probs, uint32(1), True, red, wred)
+            lvl = _bisect(probs, kept, True, False, red, wred)
+        base = _mass_at_least(probs, lvl + uint32(1), False, red, wred)
+    # inverse CDF: contiguous segments per thread, serial walk on thread 0
     per = (V + nt - 1) // nt
     a = tid * per
     b = min(a + per, V)
     s = float32(0.0)
     for i in range(a, b):
-        s += probs[i]
+        pv = probs[i]
+        if lvl == uint32(0) or float_as_uint(pv) == lvl:
+            s += pv
     seg[tid] = s
     cuda.syncthreads()
     if tid == 0:
-        target = u[0] * total
-        c = float32(0.0)
+        c = base
         tok = int32(-1)
-        last = int32(0)
+        lastseg = int32(0)
         for w in range(nt):
-            if tok < 0 and c + seg[w] > target:
-                a2 = w * per
-                b2 = min(a2 + per, V)
-                for i in range(a2, b2):
-                    c += probs[i]
-                    if probs[i] > 0:
-                        last = i
+            if seg[w] > 0:
+                lastseg = w
+            if c + seg[w] > target:
+                for i in range(w * per, min(w * per + per, V)):
+                    pv = probs[i]
+                    if lvl == uint32(0) or float_as_uint(pv) == lvl:
+                        c += pv
                     if c > target:
                         tok = i
                         break
-            elif tok < 0:
+                if tok >= 0:
+                    break
+            else:
                 c += seg[w]
-                if seg[w] > 0:
-                    for i in range(w * per, min(w * per + per, V)):
-                        if probs[i] > 0:
-                            last = i
-        if tok < 0:
-            tok = last
+        if tok < 0:   # rounding left the target unreached: the last token that can be drawn
+            tok = 0
+            for i in range(lastseg * per, min(lastseg * per + per, V)):
+                pv = probs[i]
+                if pv > 0 and (lvl == uint32(0) or float_as_uint(pv) == lvl):
+                    tok = i
         out[0] = tok
 
 
 def sample(logits, params, u, probs, out, stream):
-    """Temperature / top-k / top-p draw; greedy (temperature 0) is argmax()."""
+    """The CPU sampler's draw (cpu.sample_logits) on the device; temperature <= 0 is argmax."""
     _sample[1, BLOCK, stream](logits, params, u, probs, out)

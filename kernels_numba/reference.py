@@ -180,6 +180,19 @@ def sample_from(probs: np.ndarray, u: float) -> int:
     return int(min(np.searchsorted(c, u * c[-1], side="right"), probs.shape[0] - 1))
 
 
+def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
+    """The engine's draw (cpu.sample_logits, gpu_sampling.sample): argmax at temperature <= 0;
+    else inverse CDF over sample_probs with u, in vocabulary order when nothing is cut (top_k 0,
+    top_p 1), in probability order (ties: lower id first) when something is."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    p = sample_probs(logits, temperature, top_k, top_p)
+    if top_k <= 0 and top_p >= 1.0:
+        return sample_from(p, u)
+    order = np.argsort(-p, kind="stable")[:np.count_nonzero(p)]
+    return int(order[sample_from(p[order], u)])
+
+
 # ---- hybrid families: Gated DeltaNet and gated attention ------------------------------------
 # Legend: Nk / Nv = DeltaNet key / value heads, Dk / Dv = their head dims, C = conv channels,
 # Kc = conv kernel width. Value head h reads key head h // (Nv / Nk).

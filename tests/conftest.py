@@ -158,3 +158,30 @@ def check_graph_replay_equals_eager(packed, prompt, resident: bool) -> None:
     assert a.output_ids == b.output_ids
     cpu = engine.load(packed, device="cpu").generate(prompt, max_new_tokens=20)
     assert cpu.output_ids == a.output_ids
+
+
+SAMPLED = (dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, seed=7),
+           dict(temperature=0.9, top_k=20, seed=3), dict(temperature=1.0, seed=2))
+
+
+def check_device_sampling_equals_host(packed, prompt, resident: bool, n: int = 24) -> None:
+    """cuda backend: decode tokens drawn on the device (graph tail, only the id read back) with
+    a fixed seed give the host sampler's stream from the logits, greedy and sampled; so does the
+    eager decode step."""
+    import engine
+    g = engine.load(packed, device="cuda")
+    if not resident:
+        g.gpu.plan = type(g.plan)(**{**g.plan.__dict__, "hot_slots": 0})
+    for kw in SAMPLED:
+        g.sample_on_device = True
+        a = g.generate(prompt, max_new_tokens=n, **kw)
+        assert ("token" in g.gpu._graphs) == resident and ("sample", 0) in g.gpu._graphs
+        g.sample_on_device = False
+        b = g.generate(prompt, max_new_tokens=n, **kw)
+        assert a.output_ids == b.output_ids, kw
+        assert a.stats["decode_tokens"] == b.stats["decode_tokens"]
+    g.gpu.use_graphs = False
+    g.sample_on_device = True
+    c = g.generate(prompt, max_new_tokens=n, **SAMPLED[1])
+    g.sample_on_device = False
+    assert c.output_ids == g.generate(prompt, max_new_tokens=n, **SAMPLED[1]).output_ids

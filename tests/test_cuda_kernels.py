@@ -336,20 +336,43 @@ def check_router_sampling(rng, t, e, k, vocab):
     stream.synchronize()
     assert int(tok.copy_to_host()[0]) == int(np.argmax(lg)), "argmax"
     probs = cuda.device_array(vocab, np.float32)
-    for temp, top_k, top_p in ((1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.9, 40, 0.9)):
-        p = ref.sample_probs(lg, temp, top_k, top_p)
-        c = np.cumsum(p)
+    from kernels_numba.cpu import sample_logits
+    settings = ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.9, 40, 0.9),
+                (1.0, vocab + 5, 1.0))   # the last cuts nothing but draws in probability order
+    for temp, top_k, top_p in settings:
         for u in (0.03, 0.41, 0.77, 0.98):
-            # skip draws within float rounding of a CDF step (fp32 on the device)
-            if np.min(np.abs(c - u * c[-1])) < 1e-4:
+            if near_cdf_step(lg, temp, top_k, top_p, u):
                 continue
             tok = _nan(1, np.int32)
             gs.sample(dl, cuda.to_device(np.array([temp, top_k, top_p], np.float32)),
                       cuda.to_device(np.array([u], np.float32)), probs, tok, stream)
             stream.synchronize()
-            want = ref.sample_from(p, u)
+            want = ref.sample_token(lg, temp, top_k, top_p, u)
             got = int(tok.copy_to_host()[0])
             assert got == want, f"sample T={temp} k={top_k} p={top_p} u={u}: {got} != {want}"
+            # the engine's CPU sampler: the host path of the same decode step
+            assert sample_logits(lg, temp, top_k, top_p, u) == want, "cpu sampler"
+
+
+def near_cdf_step(logits, temp, top_k, top_p, u, tol=1e-4) -> bool:
+    """Whether u lands within float rounding (fp32 on the device) of a step of the CDF the
+    engine draws from, or the cut keeps a near tie: there device and host may pick apart."""
+    if temp <= 0:
+        top2 = np.sort(logits)[-2:]
+        return top2[1] - top2[0] < tol
+    p = ref.sample_probs(logits, temp, top_k, top_p)
+    if not (top_k <= 0 and top_p >= 1.0):
+        p = p[np.argsort(-p, kind="stable")]
+    c = np.cumsum(p)
+    if np.min(np.abs(c - u * c[-1])) < tol:
+        return True
+    if top_k <= 0 and top_p >= 1.0:
+        return False
+    q = np.sort(ref.sample_probs(logits, temp, 0, 1.0))[::-1]   # every token, most likely first
+    if 0 < top_k < len(q) and q[top_k - 1] - q[top_k] < tol * q[0]:
+        return True   # a near tie at the top-k threshold
+    qk = q[:top_k] / q[:top_k].sum() if top_k > 0 else q
+    return top_p < 1.0 and np.min(np.abs(np.cumsum(qk) - top_p)) < tol   # ... at the top-p one
 
 
 # ---- simulator (CI) -------------------------------------------------------------------------

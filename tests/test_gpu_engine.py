@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import engine
-from conftest import (assert_greedy, build_hf_model, check_graph_replay_equals_eager,
-                      hf_reference, rel_err)
+from conftest import (assert_greedy, build_hf_model, check_device_sampling_equals_host,
+                      check_graph_replay_equals_eager, hf_reference, rel_err)
 from engine.pack import pack
 
 pytestmark = pytest.mark.gpu
@@ -64,6 +64,51 @@ def test_graph_replay_equals_eager(tmp_path, resident):
     pack(src, tmp_path / "p", "nvfp4", progress=False)
     prompt = np.random.default_rng().integers(0, 300, 9).tolist()
     check_graph_replay_equals_eager(tmp_path / "p", prompt, resident)
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_device_sampling_equals_host_sampling(tmp_path, resident):
+    """Seeded decode sampled on the device (greedy; temperature 0.7, top_p 0.9; top-k; plain
+    temperature) == the host sampler from the logits, token for token."""
+    src = tmp_path / "src"
+    build_hf_model(src, "qwen3_moe", seed=5, num_experts=8, num_experts_per_tok=2, hidden_size=64)
+    pack(src, tmp_path / "p", "nvfp4", progress=False)
+    prompt = np.random.default_rng(1).integers(0, 300, 9).tolist()
+    check_device_sampling_equals_host(tmp_path / "p", prompt, resident)
+
+
+def test_pipelined_decode_leaves_a_consistent_state(tmp_path):
+    """Resident decode launches token i + 1 before reading token i: ended at a stop id or by
+    the caller, st.pos counts the ids read (the last one not fed), and feeding that id next
+    gives the host path's logits (the extra token's KV row is simply overwritten)."""
+    from itertools import islice
+
+    from engine.runtime import GenerationParams
+    src = tmp_path / "src"
+    build_hf_model(src, "qwen3_moe", seed=5, num_experts=8, num_experts_per_tok=2, hidden_size=64)
+    pack(src, tmp_path / "p", "nvfp4", progress=False)
+    g = engine.load(tmp_path / "p", device="cuda")
+    assert g.gpu.can_pipeline()
+    prompt = np.random.default_rng(1).integers(0, 300, 9).tolist()
+    full = g.generate(prompt, max_new_tokens=16, temperature=0.7, top_p=0.9, seed=7).output_ids
+    stop = full[5]
+
+    def run(on_device, params, take):
+        g.sample_on_device = on_device
+        gen = g.stream(prompt, params)
+        ids = list(islice(gen, take))
+        gen.close()
+        pos = g.state.pos
+        return ids, pos, g.model.forward(np.array([ids[-1]]), g.state)
+
+    for params, take in ((GenerationParams(16, 0.7, 0, 0.9, 7, stop_ids=(stop,)), None),
+                         (GenerationParams(16, 0.7, 0, 0.9, 7), 4)):
+        ids, pos, logits = run(True, params, take)
+        assert ids == full[:len(ids)] and ids[-1] == (stop if take is None else full[3])
+        assert pos == len(prompt) + len(ids) - 1
+        want = run(False, params, take)
+        assert want[:2] == (ids, pos)
+        assert rel_err(logits, want[2]) < 1e-5
 
 
 def test_dense_layers_streamed_same_tokens(tmp_path):

@@ -422,6 +422,19 @@ def test_graph_replay_equals_eager(tmp_path, resident):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("resident", [True, False])
+def test_device_sampling_equals_host_sampling(tmp_path, resident):
+    """Seeded decode sampled on the device == the host sampler's stream (the graph capture puts
+    the recurrent state back, so the sampled tail changes nothing there either)."""
+    from conftest import check_device_sampling_equals_host
+    from engine.pack import pack
+    from test_hybrid import ids_for
+    _tiny(tmp_path / "src", "qwen3_next", seed=5, num_experts=8, num_experts_per_tok=2)
+    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
+    check_device_sampling_equals_host(tmp_path / "p", ids_for(9, seed=1).tolist(), resident)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prefill_chunk,chunked_min_t", [(16, None), (40, 8)],
                          ids=["scan", "chunked"])
 def test_prefill_equals_token_by_token(tmp_path, prefill_chunk, chunked_min_t):

@@ -6,7 +6,7 @@ Decode: one token runs eagerly while every call into the kernel modules is taped
 is then captured alone as a graph of REPS copies and timed, so the figures are GPU time without
 Python launch overhead. Their sum next to the replayed token graph's own GPU time says how much
 the graph spends between nodes, and the token's wall time what the host adds (logits copy,
-sampling, routing on the host).
+routing on the host); forward_sample_wall_us is the same token with its id drawn on the device.
 Prefill: every wrapper call is bracketed by events on the compute stream (prefill kernels run
 for milliseconds, so launch latency barely shows) and the host-side steps are wall-timed.
 """
@@ -120,6 +120,17 @@ def profile_token_graph(m, st, tid: int, n: int = 8) -> dict:
     e1.synchronize()
     out["forward_wall_us"] = (time.perf_counter() - t) / n * 1e6
     out["forward_gpu_span_us"] = e0.elapsed_time(e1) / n * 1e3
+    # the tails after the head: logits to the host, or the device sampler (greedy; plain
+    # temperature, drawn in vocabulary order; a top-p cut, one more bisection each)
+    out["logits_tail_us"] = _time_graph_ms(cs, g["logits"]) * 1e3
+    for name, setting in (("greedy", (0.0, 0, 1.0)), ("t1", (1.0, 0, 1.0)),
+                          ("t0.7_p0.9", (0.7, 0, 0.9))):
+        dec.samp_h[0] = (*setting, 0.5)
+        out[f"sample_tail_us_{name}"] = _time_graph_ms(cs, g[("sample", 0)]) * 1e3
+    t = time.perf_counter()
+    for _ in range(n):
+        dec.forward_sample(tid, st, 1.0, 0, 1.0, 0.5)
+    out["forward_sample_wall_us"] = (time.perf_counter() - t) / n * 1e6
     return out
 
 
