@@ -2011,11 +2011,16 @@ def grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x
         return
     if v != "legacy":
         raise ValueError(f"unknown grouped expert kernel variant {v!r}; expected tiled or legacy")
-    _, _, ggu, gdn = get_kernels(fmt)
-    ggu[gate_up_grid(lay_host, g), THREADS, stream, gate_up_shared_bytes(fmt, lay_host, TT)](
-        b64, b8, bf, lay, gslot, gstart, order, x, act)
     cw = CHUNK[fmt]
+    gsh = gate_up_shared_bytes(fmt, lay_host, TT)
     dsh = int(TT * (int(lay_host[9]) // cw) * (cw + 1) * 4)
+    if max(gsh, dsh) > SHARED_LIMIT:   # the launch would fail with CUDA_ERROR_INVALID_VALUE
+        raise ValueError(f"legacy grouped {fmt} expert kernels: H={int(lay_host[6])}, "
+                         f"I={int(lay_host[7])} stage {max(gsh, dsh)} bytes of shared memory, over "
+                         f"the {SHARED_LIMIT}-byte limit; use the tiled variant")
+    _, _, ggu, gdn = get_kernels(fmt)
+    ggu[gate_up_grid(lay_host, g), THREADS, stream, gsh](
+        b64, b8, bf, lay, gslot, gstart, order, x, act)
     gdn[(down_grid(lay_host), g), THREADS, stream, dsh](b64, b8, bf, lay, gslot, gstart, wts, act, y)
 
 
