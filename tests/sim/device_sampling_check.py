@@ -25,6 +25,10 @@ def main(model: Path) -> None:
     dec = m.gpu
     dec.use_graphs = False
     assert m._samples_on_device(GenerationParams()) and dec.plan.all_resident
+    # "auto": greedy and uncut draws on the device, top-k / top-p cuts on the host
+    assert m._samples_on_device(GenerationParams(temperature=1.0))
+    assert not m._samples_on_device(GenerationParams(temperature=0.7, top_p=0.9))
+    assert not m._samples_on_device(GenerationParams(temperature=0.7, top_k=20))
     prompt = [3, 5, 7]
     # the decoder's sampler segment on the logits the head just made (logits_d row 0)
     st = dec.new_state(8)
