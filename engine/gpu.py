@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from engine.models.base import check_room
 from kernels_numba import gpu_attention as ga
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_experts as gx
@@ -150,8 +151,7 @@ class GpuDecoder:
         self.slots_h[:] = 0
         self.slots_d = cuda.to_device(np.zeros((c.n_layers, c.top_k), np.int32))   # slot 0 is valid
         self.ids_all_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)       # decode routing
-        self.ids_all_d = cuda.device_array((c.n_layers, c.top_k), np.int32)
-        self._dev_route = False   # capturing the all-resident token: ids stay on the device
+        self.ids_all_d = cuda.device_array((c.n_layers, c.top_k), np.int32)   # all-resident routing
         self.spec_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)          # predicted routing
         # off by default: on the H200 run of 2026-11-30 decode with it was slower (13.8 vs 51.6
         # tok/s at --vram-gb 8 --ram-gb 32) at 0.77 accuracy, cause not yet isolated; since then
@@ -312,9 +312,7 @@ class GpuDecoder:
 
     def forward(self, ids, st: GpuRunState, all_logits: bool = False) -> np.ndarray:
         ids = np.asarray(ids)
-        if st.pos + len(ids) > st.max_context:
-            raise ValueError(f"context full: {st.pos} + {len(ids)} tokens exceed the "
-                             f"{st.max_context}-token context (raise --max-context)")
+        check_room(st, len(ids))
         outs = []
         step = self.prefill_chunk
         for s in range(0, len(ids), step):
@@ -330,9 +328,7 @@ class GpuDecoder:
         """One decode token, sampled on the device: 4 bytes come back instead of the logits, and
         the host sorts nothing. The draw of CpuOps.sample with the same u (gpu_sampling.sample),
         up to float32 rounding at thresholds."""
-        if st.pos + 1 > st.max_context:
-            raise ValueError(f"context full: {st.pos} + 1 tokens exceed the "
-                             f"{st.max_context}-token context (raise --max-context)")
+        check_room(st, 1)
         self.samp_h[0] = (temperature, top_k, top_p, u)
         if self.use_graphs:
             return self._decode_graphed(int(tid), st, sample=True)
@@ -355,9 +351,7 @@ class GpuDecoder:
         ending early (a stop id, the caller gone) leaves one more token's KV row written past
         st.pos, which the next forward overwrites. Without graphs (use_graphs False, the
         simulator) the same segments launch one by one."""
-        if st.pos + n > st.max_context:
-            raise ValueError(f"context full: {st.pos} + {n} tokens exceed the "
-                             f"{st.max_context}-token context (raise --max-context)")
+        check_room(st, n)
         c, cs, b = self.c, self.cs, self.one
         if not self._resident_all():
             raise RuntimeError("decode_stream needs every expert resident")
@@ -456,7 +450,9 @@ class GpuDecoder:
         self._seg_feed()
         gd.embed(self.one.tok, self.w("embed"), self.one.x, self.cs)
 
-    def _seg_layer_dense(self, l, st):
+    def _seg_layer_dense(self, l, st, device_ids: bool = False):
+        """device_ids: the router's ids stay in ids_all_d (the all-resident token copies every
+        layer's at once), not one copy to the host a layer."""
         b, c, cs = self.one, self.c, self.cs
         self._attention(l, b, 1, st)
         if l not in c.moe_layers:
@@ -464,7 +460,7 @@ class GpuDecoder:
             return
         gd.rmsnorm(b.x, self.w("mlp_norm", l), c.rms_eps, b.h, cs)
         self._linear(self.w("router", l), b.h, b.rl)
-        if self._dev_route:   # one copy of every layer's ids a token (_capture), not one a layer
+        if device_ids:
             gs.router_topk(b.rl, c.norm_topk_prob, self.ids_all_d[l:l + 1], b.w, cs)
         else:
             gs.router_topk(b.rl, c.norm_topk_prob, b.ids, b.w, cs)
@@ -541,17 +537,13 @@ class GpuDecoder:
         c, cs, b = self.c, self.cs, self.one
         if self._resident_all():
             def token(s):
-                self._dev_route = True   # ids stay on the device: one copy a token, below
-                try:
-                    gd.embed(b.tok, self.w("embed"), b.x, cs)
-                    for l in range(c.n_layers):
-                        self._seg_layer_dense(l, st)
-                        if l in c.moe_layers:
-                            self._seg_experts(l, True)
-                    self.ids_all_d.copy_to_host(self.ids_all_h, stream=cs)
-                    self._seg_head()
-                finally:
-                    self._dev_route = False
+                gd.embed(b.tok, self.w("embed"), b.x, cs)
+                for l in range(c.n_layers):
+                    self._seg_layer_dense(l, st, device_ids=True)
+                    if l in c.moe_layers:
+                        self._seg_experts(l, True)
+                self.ids_all_d.copy_to_host(self.ids_all_h, stream=cs)   # every layer's at once
+                self._seg_head()
             segs = {"feed": lambda s: self._seg_feed(), "token": token}
         else:
             segs = {"embed": lambda s: self._seg_embed(), "head": lambda s: self._seg_head()}

@@ -262,8 +262,8 @@ class GpuHybridDecoder(GpuDecoder):
         x = b.x[:t]
         gd.add(x.reshape(-1), o.reshape(-1), x.reshape(-1), cs)
 
-    def _seg_layer_dense(self, l, st):
-        super()._seg_layer_dense(l, st)
+    def _seg_layer_dense(self, l, st, device_ids: bool = False):
+        super()._seg_layer_dense(l, st, device_ids)
         if l in self.c.moe_layers:
             self._shared_expert(l, self.one, 1)
 

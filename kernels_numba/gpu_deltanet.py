@@ -95,6 +95,15 @@ def _gate_vals(bv, av, neg_a, dt_bias):
     return beta, neg_a * sp
 
 
+@cuda.jit(device=True, inline=True)
+def _head_cols(h, nv, nk, dk, dv):
+    """First columns of value head h's q, k and v in a conv output row [q | k | v of every head]:
+    it reads key head h // (Nv / Nk), as the reference maps them."""
+    kh = h // (nv // nk)
+    kd = nk * dk
+    return kh * dk, kd + kh * dk, 2 * kd + h * dv
+
+
 @cuda.jit
 def _gates(b, a, neg_a, dt_bias, beta, g):
     i = cuda.grid(1)
@@ -139,11 +148,7 @@ def _delta_rule(qkv, ba, neg_a, dt_bias, nk, state, out):
     j = cuda.blockIdx.y * DN_COLS + col
     live = j < dv
     jj = min(j, dv - 1)
-    kh = h // (nv // nk)
-    kd = nk * dk
-    q0 = kh * dk
-    k0 = kd + kh * dk
-    v0 = 2 * kd + h * dv
+    q0, k0, v0 = _head_cols(h, nv, nk, dk, dv)
     rpt = (dk + DN_SPLIT - 1) // DN_SPLIT
     scale = float32(1.0) / math.sqrt(float32(dk))
     s = cuda.local.array(DN_ROWS, float32)
@@ -256,11 +261,7 @@ def _delta_rule_chunked(qkv, ba, neg_a, dt_bias, nk, state, out):
     warp = tid // WARP
     nv, dk, dv = state.shape
     T = qkv.shape[0]
-    kh = h // (nv // nk)
-    kd = nk * dk
-    q0 = kh * dk
-    k0 = kd + kh * dk
-    v0 = 2 * kd + h * dv
+    q0, k0, v0 = _head_cols(h, nv, nk, dk, dv)
     j0 = cuda.blockIdx.y * CH_COLS
     scale = float32(1.0) / math.sqrt(float32(dk))
     # the state: thread (sp, sc) updates column j0 + sc, rows sp + r CH_SP (a column past Dv

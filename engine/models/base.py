@@ -142,6 +142,13 @@ class RunState:
         self.pos = 0   # positions filled so far
 
 
+def check_room(st, n: int) -> None:
+    """Refuse n more tokens that would overrun a run state (CPU or GPU) of max_context rows."""
+    if st.pos + n > st.max_context:
+        raise ValueError(f"context full: {st.pos} + {n} tokens exceed the {st.max_context}-token "
+                         "context (raise --max-context)")
+
+
 class MoeDecoder:
     """Forward pass over backend ops. `weights(key, layer)` gives dense weights as the backend
     holds them; `experts.fetch(layer, ids)` gives routed experts' weights (the engine resolves
@@ -159,9 +166,7 @@ class MoeDecoder:
         """ids int [T] at positions st.pos.. -> logits [T, V] (all_logits) or [1, V] (last)."""
         c, ops, w = self.c, self.ops, self.w
         t = len(ids)
-        if st.pos + t > st.max_context:
-            raise ValueError(f"context full: {st.pos} + {t} tokens exceed the {st.max_context}-token "
-                             "context (raise --max-context)")
+        check_room(st, t)
         pos = np.arange(st.pos, st.pos + t, dtype=np.int32)
         x = ops.embed(w("embed"), ids)                                    # [T, H]
         for l in range(c.n_layers):
