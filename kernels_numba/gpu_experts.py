@@ -1803,12 +1803,14 @@ SWEEP = {   # what tools/sweep_experts.py times
     "nvfp4": ["legacy", "tab-g8j1-d4j2", "ptab-g8j1-d4j2", "ptab-g4j1-d4j2", "parith-g8j1-d4j2",
               "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1",
               "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
-              "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2"],
+              "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2", "lut-g32-d16",
+              "lut-g16-d16"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
 }
 _VARIANT_RE = re.compile(r"^(p|q)?(tab|arith|mix|pair|bpair)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
+_LUT_RE = re.compile(r"^lut-g(\d+)-d(\d+)(?:-m(\d))?$")   # NVFP4: gpu_experts_lut, GW / DW warps a block
 _FLAT = {}
 
 
@@ -1817,6 +1819,9 @@ def parse_variant(fmt: str, variant: str):
     v = variant or DEFAULT_VARIANT[fmt]
     if v in ("legacy", "arith"):
         return None
+    m = _LUT_RE.match(v)
+    if m and fmt == "nvfp4":
+        return ("lut", int(m.group(1)), int(m.group(3) or 0), int(m.group(2)), 0)
     m = _VARIANT_RE.match(v)
     ok = (fmt == "nvfp4" and m.group(2) in _Q_DEC) if m and m.group(1) == "q" else \
         bool(m) and (fmt, m.group(2)) in _FLAT_DEC
@@ -1901,6 +1906,10 @@ def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="",
     threads: block size of the legacy kernel, a multiple of 32 up to THREADS (tuning)."""
     b64, b8, bf = views
     cfg = parse_variant(fmt, variant)
+    if cfg is not None and cfg[0] == "lut":
+        from . import gpu_experts_lut
+        gpu_experts_lut.gate_up(cfg, views, lay, lay_host, slots, x, act, stream)
+        return
     if cfg is not None:
         dec, gr, gj, _, _ = cfg
         nch = int(lay_host[8]) // CHUNK[fmt]
@@ -1929,6 +1938,11 @@ def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, acc
     b64, b8, bf = views
     cfg = parse_variant(fmt, variant)
     acc = int32(1 if accumulate else 0)
+    if cfg is not None and cfg[0] == "lut":
+        from . import gpu_experts_lut
+        gpu_experts_lut.down(cfg, views, lay, lay_host, slots, weights, act, out, stream,
+                             accumulate)
+        return
     if cfg is not None:
         dec, _, _, dr, dj = cfg
         total = slots.shape[0] * (int(lay_host[9]) // CHUNK[fmt])

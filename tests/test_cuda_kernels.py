@@ -388,7 +388,7 @@ def run_sim_checks() -> None:
         print(f"ok experts {fmt} {time.time() - t0:.0f}s", flush=True)
     # pipelined kernels (3 blocks over 8 items: the prefetch loop runs) with the other decodes
     for v in ("parith-g2j1-d2j2", "pmix-g1j2-d1j1", "qpair-g2j1-d2j2", "qbpair-g1j2-d1j1",
-              "qtab-g1j1-d2j1", "qarith-g2j2-d1j2", "legacy", "arith"):
+              "qtab-g1j1-d2j1", "qarith-g2j2-d1j2", "lut-g2-d2", "legacy", "arith"):
         check_experts("nvfp4", 32, 16, 2, 3, rng, variant=v, accumulate=v == "legacy")
         print(f"ok experts nvfp4 {v} {time.time() - t0:.0f}s", flush=True)
     for fmt in ("nvfp4", "bf16"):
