@@ -452,16 +452,17 @@ class GpuDecoder:
 
     def _seg_layer_dense(self, l, st, device_ids: bool = False):
         """device_ids: the router's ids stay in ids_all_d (the all-resident token copies every
-        layer's at once), not one copy to the host a layer."""
+        layer's at once), not one copy to the host a layer, and the same launch maps them to
+        bank slots in slots_d[l] through slot_of_d."""
         b, c, cs = self.one, self.c, self.cs
         self._attention(l, b, 1, st)
         if l not in c.moe_layers:
             self._dense_mlp(l, b, 1)
             return
-        gd.rmsnorm(b.x, self.w("mlp_norm", l), c.rms_eps, b.h, cs)
-        self._linear(self.w("router", l), b.h, b.rl)
-        if device_ids:
-            gs.router_topk(b.rl, c.norm_topk_prob, self.ids_all_d[l:l + 1], b.w, cs)
+        self._norm_router(l, b, 1)
+        if device_ids:   # the experts' slots too, from the device slot table (_seg_experts)
+            gs.router_topk(b.rl, c.norm_topk_prob, self.ids_all_d[l:l + 1], b.w, cs,
+                           slots=(self.slot_of_d[l], self.slots_d[l:l + 1]))
         else:
             gs.router_topk(b.rl, c.norm_topk_prob, b.ids, b.w, cs)
             b.ids[0].copy_to_host(self.ids_all_h[l], stream=cs)
@@ -474,10 +475,10 @@ class GpuDecoder:
             self.ids_spec[0].copy_to_host(self.spec_h[nl], stream=cs)
 
     def _seg_experts(self, l, device_slots: bool):
+        """device_slots: slots_d[l] was filled on the device by the router (_seg_layer_dense with
+        device_ids); else it goes in from slots_h[l], which the host resolved."""
         b, c, cs = self.one, self.c, self.cs
-        if device_slots:
-            gm.map_slots(self.ids_all_d[l:l + 1], self.slot_of_d[l], self.slots_d[l], cs)
-        else:
+        if not device_slots:
             self.slots_d[l].copy_to_device(self.slots_h[l], stream=cs)
         # the down kernel adds into the residual stream itself (x + moe, one add as before)
         gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0], b.h[0],
@@ -628,13 +629,15 @@ class GpuDecoder:
         c, cs = self.c, self.cs
         x, h = b.x[:t], b.h[:t]
         q, k, v = b.q[:t], b.k[:t], b.v[:t]
-        gd.rmsnorm(x, self.w("attn_norm", l), c.rms_eps, h, cs)
         if t == 1 and self.fuse_qkv:   # q, k, v of one token are consecutive ranges of b.qkv
-            self._linear(self.w("qkv", l), h, b.qkv.reshape(1, -1))
+            # attn_norm fused into the projection (one launch; the normed row is not kept)
+            gd.linear(self.w("qkv", l), x, b.qkv.reshape(1, -1), cs,
+                      norm=(self.w("attn_norm", l), c.rms_eps, 0.0, None))
             q = b.qkv[:c.q_dim].reshape(1, c.q_dim)
             k = b.qkv[c.q_dim:c.q_dim + c.kv_dim].reshape(1, c.kv_dim)
             v = b.qkv[c.q_dim + c.kv_dim:].reshape(1, c.kv_dim)
         else:
+            gd.rmsnorm(x, self.w("attn_norm", l), c.rms_eps, h, cs)
             self._linear(self.w("q", l), h, q)
             self._linear(self.w("k", l), h, k)
             self._linear(self.w("v", l), h, v)
@@ -675,11 +678,22 @@ class GpuDecoder:
         self._linear(self.w("mlp_down", l), g, b.o[:t])
         gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)
 
+    def _norm_router(self, l, b, t):
+        """h = mlp_norm(x), rl = h @ router^T. One token: one launch, the norm fused into the
+        router's matvec, which writes h as well (the experts, the shared expert and the next
+        layer's speculative router read it); a prefill chunk: the two launches."""
+        c, x, h, rl = self.c, b.x[:t], b.h[:t], b.rl[:t]
+        if t == 1:
+            gd.linear(self.w("router", l), x, rl, self.cs,
+                      norm=(self.w("mlp_norm", l), c.rms_eps, 0.0, h))
+            return
+        gd.rmsnorm(x, self.w("mlp_norm", l), c.rms_eps, h, self.cs)
+        self._linear(self.w("router", l), h, rl)
+
     def _route(self, l, b, t):
         """Router on the device; ids and weights to the host (the one sync of the layer)."""
         c, cs = self.c, self.cs
-        gd.rmsnorm(b.x[:t], self.w("mlp_norm", l), c.rms_eps, b.h[:t], cs)
-        self._linear(self.w("router", l), b.h[:t], b.rl[:t])
+        self._norm_router(l, b, t)
         gs.router_topk(b.rl[:t], c.norm_topk_prob, b.ids[:t], b.w[:t], cs)
         b.ids[:t].copy_to_host(b.ids_h[:t], stream=cs)
         if t > 1:

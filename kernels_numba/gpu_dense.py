@@ -68,7 +68,7 @@ def _elem_f32(w, n, k):
 LIN_DOUBLE_BUFFER = False
 
 
-def _make_linear(cw, chunk, R, KS, U, TT, ACC=False):
+def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False):
     """Matvec kernel for cw weights per 8-byte chunk (4 bf16 / 2 fp32); ACC: y += instead of =.
 
     A block of LIN_THREADS threads is NW = LIN_THREADS / 32 warps in NW / KS groups; a group owns
@@ -76,7 +76,12 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False):
     every load instruction of a warp reads 256 contiguous bytes). A lane issues U * R weight
     loads before it computes, and each x chunk it loads (L1) serves R rows. With
     LIN_DOUBLE_BUFFER the next U * R are issued before the current ones are used. Tokens go
-    in passes of TT (one pass for T <= TT)."""
+    in passes of TT (one pass for T <= TT).
+    NORM: x is RMS-normalised on the fly (the rmsnorm before the matvec fused in): each block
+    sums the squares of its pass's rows itself (a block reduction over x, read from L2), then
+    scales every x value it stages by inv_rms * (g + w_offset), rmsnorm's arithmetic in its
+    order. HOUT: the blocks also write the normalised rows to h_out, each a disjoint grid-stride
+    slice, for the kernels after that read the normed input."""
     NW = LIN_THREADS // WARP
     NG = NW // KS
     XW = cw // 2                       # uint64 words of x (float32 pairs) per weight chunk
@@ -86,10 +91,10 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False):
     XT = TT * cw
     DB = LIN_DOUBLE_BUFFER
 
-    @cuda.jit
-    def linear(w64, x64, y):
+    @cuda.jit(device=True, inline=True)
+    def body(w64, x64, y, g, eps, w_offset, h_out):
         """w64 uint64 [N, K / cw], x64 uint64 [T, K / 2] (float32 pairs) -> y float32 [T, N];
-        grid cdiv(N, NG * R)."""
+        grid cdiv(N, NG * R). NORM: g float32 [K], h_out float32 [T, K] (HOUT)."""
         red = cuda.shared.array(LIN_THREADS, float32)
         part = cuda.shared.array((NW, RT), float32)       # per-warp sums when KS > 1
         tid = cuda.threadIdx.x
@@ -106,8 +111,14 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False):
         wv = cuda.local.array(cw, float32)
         xv = cuda.local.array(XT, float32)
         acc = cuda.local.array(RT, float32)
+        inv = cuda.local.array(TT, float32)              # NORM: 1 / rms of the pass's rows
+        gv = cuda.local.array(cw, float32)               # NORM: g + w_offset of a chunk
         for t0 in range(0, T, TT):
             nt = min(TT, T - t0)
+            if NORM:
+                _norm_pass(x64, t0, nt, eps, inv, red, part, TT, NW)
+                if HOUT:
+                    _norm_store(x64, t0, nt, g, w_offset, inv, h_out, TT)
             for i in range(RT):
                 acc[i] = float32(0.0)
             jb0 = ks * WARP + lane
@@ -133,12 +144,21 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False):
                 for u in range(U):
                     j = jb + u * STEP
                     if j < nch:
+                        if NORM:
+                            for c in range(cw):
+                                gv[c] = g[j * cw + c] + w_offset
                         for q in range(TT):
                             if q < nt:
                                 for h in range(XW):
                                     xw = x64[t0 + q, j * XW + h]
-                                    xv[q * cw + 2 * h] = int_as_float(uint32(xw & M32))
-                                    xv[q * cw + 2 * h + 1] = int_as_float(uint32(xw >> 32))
+                                    if NORM:
+                                        xv[q * cw + 2 * h] = (int_as_float(uint32(xw & M32))
+                                                              * inv[q] * gv[2 * h])
+                                        xv[q * cw + 2 * h + 1] = (int_as_float(uint32(xw >> 32))
+                                                                  * inv[q] * gv[2 * h + 1])
+                                    else:
+                                        xv[q * cw + 2 * h] = int_as_float(uint32(xw & M32))
+                                        xv[q * cw + 2 * h + 1] = int_as_float(uint32(xw >> 32))
                         for r in range(R):
                             chunk(wq[u * R + r], wv)
                             for q in range(TT):
@@ -170,21 +190,78 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False):
                                     y[t0 + q, n0 + r] += acc[r * TT + q]
                                 else:
                                     y[t0 + q, n0 + r] = acc[r * TT + q]
+
+    if NORM:
+        @cuda.jit
+        def linear_norm(w64, x64, y, g, eps, w_offset, h_out):
+            body(w64, x64, y, g, eps, w_offset, h_out)
+        return linear_norm
+
+    @cuda.jit
+    def linear(w64, x64, y):
+        body(w64, x64, y, y[0], float32(0.0), float32(0.0), y)   # the norm arguments unused
     return linear
+
+
+@cuda.jit(device=True, inline=True)
+def _norm_pass(x64, t0, nt, eps, inv, red, part, TT, NW):
+    """inv[q] = 1 / rms(x[t0 + q]) for q < nt, to every thread of the block (a block reduction,
+    the sum in part[:, :TT]; rmsnorm's formula). Called by every thread."""
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    warp = tid // WARP
+    k2 = x64.shape[1]
+    for q in range(TT):
+        ss = float32(0.0)
+        if q < nt:
+            for j in range(tid, k2, LIN_THREADS):
+                xw = x64[t0 + q, j]
+                a = int_as_float(uint32(xw & M32))
+                b = int_as_float(uint32(xw >> 32))
+                ss += a * a + b * b
+        ss = warp_sum(ss, red)
+        if lane == 0:
+            part[warp, q] = ss
+    cuda.syncthreads()
+    for q in range(TT):
+        s = float32(0.0)
+        for o in range(NW):
+            s += part[o, q]
+        inv[q] = float32(1.0) / math.sqrt(s / float32(2 * k2) + eps)
+    cuda.syncthreads()                 # part is free again (the KS > 1 sums reuse it)
+
+
+@cuda.jit(device=True, inline=True)
+def _norm_store(x64, t0, nt, g, w_offset, inv, h_out, TT):
+    """h_out[t0 + q] = x[t0 + q] * inv[q] * (g + w_offset) for q < nt: this block's grid-stride
+    share of the float pairs (blocks write disjoint elements; h_out must not overlap x)."""
+    k2 = x64.shape[1]
+    i0 = cuda.blockIdx.x * LIN_THREADS + cuda.threadIdx.x
+    step = cuda.gridDim.x * LIN_THREADS
+    for q in range(TT):
+        if q < nt:
+            for j in range(i0, k2, step):
+                xw = x64[t0 + q, j]
+                h_out[t0 + q, 2 * j] = (int_as_float(uint32(xw & M32)) * inv[q]
+                                        * (g[2 * j] + w_offset))
+                h_out[t0 + q, 2 * j + 1] = (int_as_float(uint32(xw >> 32)) * inv[q]
+                                            * (g[2 * j + 1] + w_offset))
 
 
 _LINEAR = {}
 
 
-def linear_kernel(kind: str, r: int, ks: int, u: int, tt: int, acc: bool = False):
+def linear_kernel(kind: str, r: int, ks: int, u: int, tt: int, acc: bool = False,
+                  norm: bool = False, h_out: bool = False):
     """The compiled-on-first-launch matvec for (weight kind "bf16" / "f32", rows per warp group,
-    warps per row, chunks in flight per row, token tile, accumulate into y)."""
-    key = (kind, r, ks, u, tt, bool(acc))
+    warps per row, chunks in flight per row, token tile, accumulate into y, RMSNorm of x fused
+    in, the normalised x written out too)."""
+    key = (kind, r, ks, u, tt, bool(acc), bool(norm), bool(norm and h_out))
     if key not in _LINEAR:
         if (LIN_THREADS // WARP) % ks:
             raise ValueError(f"linear: {ks} warps per row do not divide a {LIN_THREADS}-thread block")
         cw, chunk = (4, _chunk_bf16) if kind == "bf16" else (2, _chunk_f32)
-        _LINEAR[key] = _make_linear(cw, chunk, r, ks, u, tt, bool(acc))
+        _LINEAR[key] = _make_linear(cw, chunk, r, ks, u, tt, *key[5:])
     return _LINEAR[key]
 
 
@@ -261,13 +338,16 @@ _gemm_bf16 = _make_gemm(_elem_bf16)
 _gemm_f32 = _make_gemm(_elem_f32)
 
 
-def linear(w, x, y, stream, config=None, accumulate=False):
+def linear(w, x, y, stream, config=None, accumulate=False, norm=None):
     """y [T, N] = x [T, K] @ w [N, K]^T (y += with accumulate: a residual add without its own
     launch); w float32 or uint16 (bf16 bits), K a multiple of 4 (bf16) or 2 (fp32); x
     C-contiguous rows.
 
     Memory-bound matvec form for decode and small T (use gemm() for prefill). config: (R, KS,
-    U) to override linear_config()'s choice (benchmark sweeps)."""
+    U) to override linear_config()'s choice (benchmark sweeps).
+    norm = (g float32 [K], eps, w_offset, h_out float32 [T, K] or None): x is RMS-normalised
+    first, rmsnorm(x, g, eps, h_out, w_offset) fused into the same launch (one graph node
+    fewer); with h_out the normalised rows are written there too (h_out must not overlap x)."""
     n, k = w.shape
     t = x.shape[0]
     if w.dtype == np.uint16:
@@ -279,9 +359,18 @@ def linear(w, x, y, stream, config=None, accumulate=False):
             raise ValueError(f"fp32 linear needs K % 2 == 0, got K={k}")
         kind, cw = "f32", 2
     r, ks, u = config or linear_config(n, k, t, cw)
-    kern = linear_kernel(kind, r, ks, u, _token_tile(t), accumulate)
-    kern[cdiv(n, (LIN_THREADS // WARP // ks) * r), LIN_THREADS, stream](
-        w.view(np.uint64), x.view(np.uint64), y)
+    grid = cdiv(n, (LIN_THREADS // WARP // ks) * r)
+    if norm is None:
+        kern = linear_kernel(kind, r, ks, u, _token_tile(t), accumulate)
+        kern[grid, LIN_THREADS, stream](w.view(np.uint64), x.view(np.uint64), y)
+        return
+    g, eps, w_offset, h_out = norm
+    if x.shape[1] != k or g.shape != (k,) or (h_out is not None and h_out.shape != x.shape):
+        raise ValueError(f"linear norm: x {x.shape}, g {g.shape}, h_out "
+                         f"{None if h_out is None else h_out.shape} for a weight of K={k}")
+    kern = linear_kernel(kind, r, ks, u, _token_tile(t), accumulate, True, h_out is not None)
+    kern[grid, LIN_THREADS, stream](w.view(np.uint64), x.view(np.uint64), y, g, float32(eps),
+                                    float32(w_offset), y if h_out is None else h_out)
 
 
 def gemm(w, x, y, stream):

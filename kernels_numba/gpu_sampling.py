@@ -3,7 +3,8 @@
 Legend: T = tokens, E = experts, K = top-k, V = vocab.
     router_topk: logits float32 [T, E] -> ids int32 [T, K], weights float32 [T, K];
                  softmax over all E, K largest (lower index first on ties), renormalized when
-                 norm_topk_prob. One warp per token, E <= ROUTER_MAX_E.
+                 norm_topk_prob. One warp per token, E <= ROUTER_MAX_E. Optionally also
+                 slots int32 [T, K] = slot_of[ids] (slot_of int32 [E]) in the same launch.
     argmax:      logits float32 [V] -> token int32 [1] (lowest index on ties). One block.
     sample:      logits float32 [V], params float32 [3] = (temperature, top_k, top_p),
                  u float32 [1] in [0, 1) (all device memory, so a graph serves any setting)
@@ -30,53 +31,81 @@ BLOCK = 64 if SIM else 1024       # argmax / sample: one block
 MAX_WARPS = 32
 
 
-@cuda.jit
-def _router_topk(logits, norm, ids, weights):
-    """grid T, 32 threads."""
-    buf = cuda.shared.array(ROUTER_MAX_E, float32)
-    red = cuda.shared.array(WARP, float32)
-    red_i = cuda.shared.array(WARP, int32)
-    t = cuda.blockIdx.x
-    lane = cuda.threadIdx.x
-    E = logits.shape[1]
-    K = ids.shape[1]
-    m = NEG_INF
-    for e in range(lane, E, WARP):
-        v = logits[t, e]
-        buf[e] = v
-        m = max(m, v)
-    m = warp_max(m, red)
-    s = float32(0.0)
-    for e in range(lane, E, WARP):
-        s += math.exp(buf[e] - m)
-    s = warp_sum(s, red)
-    tot = float32(0.0)
-    for k in range(K):
-        bv = NEG_INF
-        bi = int32(E)
+def _make_router_topk(SLOTS):
+    @cuda.jit(device=True, inline=True)
+    def body(logits, norm, ids, weights, slot_of, slots):
+        """grid T, 32 threads. SLOTS: also slots[t, k] = slot_of[ids[t, k]]."""
+        buf = cuda.shared.array(ROUTER_MAX_E, float32)
+        red = cuda.shared.array(WARP, float32)
+        red_i = cuda.shared.array(WARP, int32)
+        t = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        E = logits.shape[1]
+        K = ids.shape[1]
+        m = NEG_INF
         for e in range(lane, E, WARP):
-            v = buf[e]
-            if v > bv or bi == E:   # NaN logits still give an id in range
-                bv = v
-                bi = e
-        bv, bi = warp_argmax(bv, bi, red, red_i)
-        p = math.exp(bv - m) / s
-        tot += p
-        if lane == 0:
-            ids[t, k] = bi
-            weights[t, k] = p
-            buf[bi] = NEG_INF
-        cuda.syncthreads()
-    if norm and lane == 0:
+            v = logits[t, e]
+            buf[e] = v
+            m = max(m, v)
+        m = warp_max(m, red)
+        s = float32(0.0)
+        for e in range(lane, E, WARP):
+            s += math.exp(buf[e] - m)
+        s = warp_sum(s, red)
+        tot = float32(0.0)
         for k in range(K):
-            weights[t, k] = weights[t, k] / tot
+            bv = NEG_INF
+            bi = int32(E)
+            for e in range(lane, E, WARP):
+                v = buf[e]
+                if v > bv or bi == E:   # NaN logits still give an id in range
+                    bv = v
+                    bi = e
+            bv, bi = warp_argmax(bv, bi, red, red_i)
+            p = math.exp(bv - m) / s
+            tot += p
+            if lane == 0:
+                ids[t, k] = bi
+                weights[t, k] = p
+                if SLOTS:
+                    slots[t, k] = slot_of[bi]
+                buf[bi] = NEG_INF
+            cuda.syncthreads()
+        if norm and lane == 0:
+            for k in range(K):
+                weights[t, k] = weights[t, k] / tot
+
+    if SLOTS:
+        @cuda.jit
+        def router_topk_slots(logits, norm, ids, weights, slot_of, slots):
+            body(logits, norm, ids, weights, slot_of, slots)
+        return router_topk_slots
+
+    @cuda.jit
+    def router_topk(logits, norm, ids, weights):
+        body(logits, norm, ids, weights, ids[0], ids)   # the slot arguments unused
+    return router_topk
 
 
-def router_topk(logits, norm_topk_prob, ids, weights, stream):
+_router_topk = _make_router_topk(False)
+_router_topk_slots = _make_router_topk(True)
+
+
+def router_topk(logits, norm_topk_prob, ids, weights, stream, slots=None):
+    """slots = (slot_of int32 [E], out int32 [T, K]): also out = slot_of[ids], the bank slot of
+    each routed expert (the all-resident decode's slot table, without a launch of its own)."""
     t, e = logits.shape
     if e > ROUTER_MAX_E:
         raise ValueError(f"{e} experts exceed ROUTER_MAX_E={ROUTER_MAX_E}")
-    _router_topk[t, WARP, stream](logits, int32(1 if norm_topk_prob else 0), ids, weights)
+    norm = int32(1 if norm_topk_prob else 0)
+    if slots is None:
+        _router_topk[t, WARP, stream](logits, norm, ids, weights)
+        return
+    slot_of, out = slots
+    if slot_of.shape != (e,) or out.shape != ids.shape:
+        raise ValueError(f"router_topk slots: table {slot_of.shape} for {e} experts, out "
+                         f"{out.shape} for ids {ids.shape}")
+    _router_topk_slots[t, WARP, stream](logits, norm, ids, weights, slot_of, out)
 
 
 @cuda.jit
