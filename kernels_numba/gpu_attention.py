@@ -19,6 +19,28 @@ position every active block has about the same share and the rest exit at once.
              to finish (a ticket from a float atomic in pm's extra column P, reset to 0 by that
              block, so graph replays start clean) merges the G heads' pieces -> out: ONE launch.
     combine: (unfused) grid T * Hq, COMB_THREADS: merges the pieces that were used -> out
+
+Decode variants (T = 1; attention(variant=...), module default DECODE_VARIANT; prefill always
+takes the path above):
+    "base": the partial + combine kernels above.
+    "v2":   partial2, grid (Hkv, P2) with P2 = decode_splits() (about V2_WAVES blocks an SM,
+            from S_max and the SM count only): lanes over D in chunks of 4 values (16-byte
+            fp32 / 8-byte bf16 loads, a warp reads a whole row per load), KB keys a step with
+            the next step's rows in flight (two register buffers, no copies). The G * KB
+            partial dot products of a step are summed over the warp by a transpose reduction
+            (each shuffle halves the values a lane holds: 31 shuffles for 32 sums, not 160), so
+            lane L ends with the score of one (head, key); it takes that exp2 itself (one MUFU
+            a lane, not G * KB) and the probabilities reach the other lanes through shared
+            memory. Scores are in log2 units (q is scaled by scale * log2 e). Then combine2:
+            grid T * Hq, C2_THREADS; the pieces' rows are loaded before their maxima are
+            reduced, so the two reads overlap.
+    "v2f":  partial2 with the merge in the last block of each (query, kv head) to finish: one
+            launch. The old fused merge (3.5x slower than two launches) has each thread of the
+            last block do G * D / threads outputs one after another, each over the pieces four
+            loads at a time: about 128 dependent L2 round trips at 64 pieces, and every thread
+            fences. Here the last block (V2F_WARPS warps; about one wave of pieces, so fewer to
+            merge) keeps F_U rows of 16 bytes in flight a thread, and only thread 0 fences and
+            takes the ticket (a float atomic on pm[:, P], reset by the last block).
 """
 from __future__ import annotations
 
@@ -27,7 +49,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from .gpu_util import M32, NEG_INF, SIM, WARP, block_max, block_sum, cdiv, int_as_float, warp_sum
+from .gpu_util import (FULL_MASK, M32, NEG_INF, SIM, WARP, block_max, block_sum, cdiv,
+                        int_as_float, warp_max, warp_sum, warp_sync)
 
 ATT_WARPS = 2 if SIM else 4   # partial: warps a block
 KB = 2                        # partial: keys a warp scores at once (H200 sweep: 2 beats 4, 8)
@@ -371,6 +394,542 @@ def _make_combine(DL):
 _COMBINE = {dl: _make_combine(dl) for dl in (MAX_D // WARP // 2, MAX_D // WARP)}
 
 
+# ---- decode v2 / v2f (T = 1) -----------------------------------------------------------------
+
+VARIANTS = ("base", "v2", "v2f")
+DECODE_VARIANT = "base"       # T = 1 path when attention() is not told (flip after a GPU sweep)
+V2_KB = 4                     # keys a warp scores a step (a power of 2, GP * KB <= 32)
+V2_WARPS = 2 if SIM else 4
+V2F_WARPS = 2 if SIM else 8   # the fused merge's block: more threads, more rows in flight
+V2_WAVES = 2                  # v2: P2 aims at this many blocks an SM
+V2F_WAVES = 1                 # v2f: fewer pieces, so the last block has less to merge
+C2_THREADS = 32 if SIM else 128   # combine2: a block per (query, head)
+C2_U = 4 if SIM else 16       # combine2: pieces a warp keeps in flight (64 pieces: one round)
+F_U = 4 if SIM else 16        # v2f merge: pieces a thread keeps in flight
+LOG2E = 1.4426950408889634
+_SMS = []                     # the device's SM count, read once
+
+if SIM:
+    @cuda.jit(device=True)
+    def _ld4(a, i, j, k):
+        """a[i, j, k:k + 4] (16 bytes; ld.global.nc on the GPU)."""
+        return a[i, j, k], a[i, j, k + 1], a[i, j, k + 2], a[i, j, k + 3]
+
+    @cuda.jit(device=True)
+    def _ld2(a, i, j, k):
+        """a[i, j, k:k + 2] (8 bytes; ld.global.nc on the GPU)."""
+        return a[i, j, k], a[i, j, k + 1]
+
+    _ld4cg = _ld4
+
+    @cuda.jit(device=True)
+    def _shfl_xor(v, off, red):
+        """v of lane ^ off: every thread of the block must call. red float32 [3 * threads]: two
+        exchange buffers used in turn (one barrier a call: a thread writes a buffer again only
+        after the next call's barrier, which every reader of this call has passed) and each
+        thread's call count. gpu_util's reductions use red[:threads] between barriers."""
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        c = red[2 * nt + tid]
+        red[2 * nt + tid] = c + float32(1.0)
+        base = nt if c % 2 else 0
+        red[base + tid] = v
+        cuda.syncthreads()
+        return red[base + (tid ^ off)]
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def _make_ld(width, cop, ordered):
+        """a[i, j, k:k + width] of a 3-D float32 / uint32 array as one vector load
+        (ld.global.<cop>.v<width>); the address must be 4 * width byte aligned. ordered: an asm
+        with side effects, so LLVM keeps it after the fence that publishes what it reads."""
+        @intrinsic
+        def ld(typingctx, a, i, j, k):
+            if not (isinstance(a, types.Array) and a.ndim == 3
+                    and a.dtype in (types.float32, types.uint32)):
+                return None
+            sig = types.UniTuple(a.dtype, width)(a, i, j, k)
+
+            def codegen(context, builder, sig, args):
+                aty = sig.args[0]
+                arr = context.make_array(aty)(context, builder, value=args[0])
+                idx = [context.cast(builder, v, ty, types.intp)
+                       for v, ty in zip(args[1:], sig.args[1:])]
+                ptr = cgutils.get_item_pointer(context, builder, aty, arr, idx)
+                fl = aty.dtype == types.float32
+                elt = context.get_value_type(aty.dtype)
+                fnty = ir.FunctionType(ir.LiteralStructType([elt] * width), [ptr.type])
+                regs = ",".join(f"${x}" for x in range(width))
+                cons = ",".join(["=f" if fl else "=r"] * width) + ",l"
+                asm = ir.InlineAsm(
+                    fnty, f"ld.global.{cop}.v{width}.{'f32' if fl else 'u32'} {{{regs}}}, "
+                    f"[${width}];", cons + (",~{memory}" if ordered else ""),
+                    side_effect=ordered)
+                res = builder.call(asm, [ptr])
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(res, x) for x in range(width)])
+            return sig, codegen
+        return ld
+
+    _ld4 = _make_ld(4, "nc", False)      # cache rows, q: read-only in the kernel
+    _ld2 = _make_ld(2, "nc", False)
+    _ld4cg = _make_ld(4, "cg", True)     # pieces other blocks wrote (L2, after the ticket)
+
+    @cuda.jit(device=True, inline=True)
+    def _shfl_xor(v, off, red):
+        return cuda.shfl_xor_sync(FULL_MASK, v, off)
+
+
+@cuda.jit(device=True, inline=True)
+def _get_f32(a, j, h, c, buf, o):
+    """Chunk c (4 values, 16 bytes) of row (j, h) of an fp32 cache -> buf[o:o + 4]."""
+    x0, x1, x2, x3 = _ld4(a, j, h, 4 * c)
+    buf[o] = x0
+    buf[o + 1] = x1
+    buf[o + 2] = x2
+    buf[o + 3] = x3
+
+
+@cuda.jit(device=True, inline=True)
+def _get_bf16(a, j, h, c, buf, o):
+    """Chunk c (4 bf16, 8 bytes) of row (j, h) of a bf16 cache viewed as uint32 -> buf[o:o + 2]."""
+    x0, x1 = _ld2(a, j, h, 2 * c)
+    buf[o] = x0
+    buf[o + 1] = x1
+
+
+@cuda.jit(device=True, inline=True)
+def _dec_f32(buf, o, v, vo):
+    for e in range(4):
+        v[vo + e] = buf[o + e]
+
+
+@cuda.jit(device=True, inline=True)
+def _dec_bf16(buf, o, v, vo):
+    lo = uint32(buf[o])
+    hi = uint32(buf[o + 1])
+    v[vo] = int_as_float((lo & _XFFFF) << _S16)
+    v[vo + 1] = int_as_float(lo & _XFFFF0000)
+    v[vo + 2] = int_as_float((hi & _XFFFF) << _S16)
+    v[vo + 3] = int_as_float(hi & _XFFFF0000)
+
+
+def _make_partial2(BF, G, NCL, KB, NW, FUSED):
+    """BF: bf16 cache (else fp32); G heads a kv head; NCL chunks of 4 values a lane cover D; KB
+    keys a warp step (GP * KB <= 32); NW warps; FUSED: v2f (merge in the last block)."""
+    GP = 1 << (G - 1).bit_length()     # G padded to a power of 2
+    N = GP * KB                        # partial dot products a lane holds before the reduction
+    LN = N.bit_length() - 1
+    SH = 5 - LN                        # after it lane L holds the sum number L >> SH
+    LKB = KB.bit_length() - 1
+    C4 = NCL * 4                       # head-dim values a lane
+    GC = G * C4
+    KC4 = KB * C4
+    CWD = 2 if BF else 4               # words a chunk in the register buffers
+    BW = KB * NCL * CWD
+    BT = uint32 if BF else float32
+    NT = NW * WARP
+    DP = NCL * WARP * 4                # padded head dim
+    RED = 3 * NT if SIM else 1
+    FP = MAX_SPLITS if FUSED else 1
+    FU = F_U
+    FU4 = F_U * 4
+    NG = N + GP                        # (array sizes must be plain constants for numba)
+    get = _get_bf16 if BF else _get_f32
+    dec = _dec_bf16 if BF else _dec_f32
+
+    @cuda.jit(device=True, inline=True)
+    def load(kc, vc, kvh, j0, end, lane, nch, kb_, vb_):
+        """K and V rows of keys j0 .. j0 + KB - 1 (clamped to end - 1) -> registers."""
+        for u in range(KB):
+            jj = min(j0 + u, end - 1)
+            for i in range(NCL):
+                c = min(i * WARP + lane, nch - 1)
+                get(kc, jj, kvh, c, kb_, (u * NCL + i) * CWD)
+                get(vc, jj, kvh, c, vb_, (u * NCL + i) * CWD)
+
+    @cuda.jit(device=True, inline=True)
+    def step(kb_, vb_, jb, end, par, m, l, qv, acc, sp, red, lane, warp):
+        """Score keys jb .. jb + KB - 1 for the G heads, update (m, l) of this lane's (head,
+        key slot) and acc [G, C4]; sp[warp, par]: this step's probabilities and corrections."""
+        s = cuda.local.array(N, float32)
+        kd = cuda.local.array(4, float32)
+        for x in range(N):
+            s[x] = float32(0.0)
+        for u in range(KB):
+            for i in range(NCL):
+                dec(kb_, (u * NCL + i) * CWD, kd, 0)
+                for g in range(G):
+                    a = s[g * KB + u]
+                    for e in range(4):
+                        a += qv[g * C4 + i * 4 + e] * kd[e]
+                    s[g * KB + u] = a
+        for b in range(LN):            # transpose reduction: keep the half picked by the lane bit
+            off = 16 >> b
+            half = N >> (b + 1)
+            up = (lane & off) != 0
+            for x in range(half):
+                lo_ = s[x]
+                hi_ = s[x + half]
+                s[x] = (hi_ if up else lo_) + _shfl_xor(lo_ if up else hi_, off, red)
+        sc = s[0]
+        for b in range(LN, 5):         # lanes that hold the same sum (N < 32)
+            sc += _shfl_xor(sc, 16 >> b, red)
+        idx = lane >> SH
+        g = idx >> LKB
+        if jb + (idx & (KB - 1)) >= end or g >= G:
+            sc = NEG_INF
+        mx = max(m, sc)
+        for b in range(LKB + SH):      # max over the head's KB << SH lanes
+            mx = max(mx, _shfl_xor(mx, 1 << b, red))
+        p = math.exp2(sc - mx) if sc > NEG_INF else float32(0.0)
+        corr = math.exp2(m - mx) if m > NEG_INF else float32(0.0)
+        sp[warp, par, idx] = p
+        sp[warp, par, N + g] = corr
+        warp_sync()
+        for g2 in range(G):
+            cg = sp[warp, par, N + g2]
+            for x in range(C4):
+                acc[g2 * C4 + x] *= cg
+        vd = cuda.local.array(KC4, float32)
+        for u in range(KB):
+            for i in range(NCL):
+                dec(vb_, (u * NCL + i) * CWD, vd, u * C4 + i * 4)
+        for g2 in range(G):
+            for u in range(KB):
+                pg = sp[warp, par, g2 * KB + u]
+                for x in range(C4):
+                    acc[g2 * C4 + x] += pg * vd[u * C4 + x]
+        return mx, l * corr + p
+
+    @cuda.jit
+    def partial2(q, kc, vc, q_pos, scale2, window, split, pm, pl, pacc, out):
+        """q float32 [1, Hq, D]; kc, vc [S_max, Hkv, D] float32 (or [S_max, Hkv, D / 2] uint32:
+        bf16 pairs); grid (Hkv, P2): block (kvh, p) takes piece p of the keys for the G heads
+        of kv head kvh -> pm, pl [Hq, P2 of P], pacc [Hq, P2 of P, D] (log2 units); FUSED: the
+        last block merges them -> out [1, Hq, D]."""
+        red = cuda.shared.array(RED, float32)
+        if SIM:
+            red[2 * NT + cuda.threadIdx.x] = float32(0.0)   # _shfl_xor's call count
+        sp = cuda.shared.array((NW, 2, NG), float32)
+        wm = cuda.shared.array((NW, G), float32)
+        wl = cuda.shared.array((NW, G), float32)
+        wf = cuda.shared.array((NW, G), float32)
+        wacc = cuda.shared.array((NW, G, DP), float32)
+        fac = cuda.shared.array((G, FP), float32)
+        linv = cuda.shared.array(G, float32)
+        tk = cuda.shared.array(1, float32)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        D = q.shape[2]
+        nch = D // 4
+        kvh = cuda.blockIdx.x
+        p = cuda.blockIdx.y
+        P = cuda.gridDim.y
+        lo, n, piece = _piece(q_pos, 0, window, split, P)
+        start = lo + p * piece
+        if start >= lo + n:            # an unused piece (uniform over the block)
+            return
+        end = min(lo + n, start + piece)
+        h0 = kvh * G
+        ka = cuda.local.array(BW, BT)
+        va = cuda.local.array(BW, BT)
+        kb2 = cuda.local.array(BW, BT)
+        vb2 = cuda.local.array(BW, BT)
+        stride = NW * KB
+        j0 = start + warp * KB
+        load(kc, vc, kvh, j0, end, lane, nch, ka, va)             # steps 0 and 1 in flight
+        load(kc, vc, kvh, j0 + stride, end, lane, nch, kb2, vb2)  # before q is read
+        qv = cuda.local.array(GC, float32)
+        acc = cuda.local.array(GC, float32)
+        for g in range(G):
+            for i in range(NCL):
+                c = i * WARP + lane
+                x0, x1, x2, x3 = _ld4(q, 0, h0 + g, 4 * min(c, nch - 1))
+                f = scale2 if c < nch else float32(0.0)
+                qv[g * C4 + i * 4] = x0 * f
+                qv[g * C4 + i * 4 + 1] = x1 * f
+                qv[g * C4 + i * 4 + 2] = x2 * f
+                qv[g * C4 + i * 4 + 3] = x3 * f
+                for e in range(4):
+                    acc[g * C4 + i * 4 + e] = float32(0.0)
+        m = NEG_INF
+        l = float32(0.0)
+        niter = (end - start + stride - 1) // stride     # uniform over the block
+        for it in range(0, niter, 2):
+            jb = j0 + it * stride
+            m, l = step(ka, va, jb, end, 0, m, l, qv, acc, sp, red, lane, warp)
+            if it + 2 < niter:
+                load(kc, vc, kvh, jb + 2 * stride, end, lane, nch, ka, va)
+            if it + 1 < niter:
+                m, l = step(kb2, vb2, jb + stride, end, 1, m, l, qv, acc, sp, red, lane, warp)
+                if it + 3 < niter:
+                    load(kc, vc, kvh, jb + 3 * stride, end, lane, nch, kb2, vb2)
+        for b in range(LKB):           # l over the head's key slots
+            l += _shfl_xor(l, (1 << SH) << b, red)
+        g = (lane >> SH) >> LKB
+        if (lane & ((KB << SH) - 1)) == 0 and g < G:
+            wm[warp, g] = m
+            wl[warp, g] = l
+        for g2 in range(G):
+            for i in range(NCL):
+                for e in range(4):
+                    wacc[warp, g2, (i * WARP + lane) * 4 + e] = acc[g2 * C4 + i * 4 + e]
+        cuda.syncthreads()
+        for x in range(tid, NW * G, NT):                  # merge factors of the warps
+            w = x // G
+            g2 = x - w * G
+            mt = wm[0, g2]
+            for o in range(1, NW):
+                mt = max(mt, wm[o, g2])
+            wf[w, g2] = math.exp2(wm[w, g2] - mt) if wm[w, g2] > NEG_INF else float32(0.0)
+        cuda.syncthreads()
+        for x in range(tid, G * D, NT):
+            g2 = x // D
+            d = x - g2 * D
+            a = float32(0.0)
+            for w in range(NW):
+                a += wacc[w, g2, d] * wf[w, g2]
+            hr = h0 + g2
+            pacc[hr, p, d] = a
+            if d == 0:
+                mt = wm[0, g2]
+                lt = float32(0.0)
+                for w in range(NW):
+                    mt = max(mt, wm[w, g2])
+                    lt += wl[w, g2] * wf[w, g2]
+                pm[hr, p] = mt
+                pl[hr, p] = lt
+        if FUSED:
+            # as cooperative groups' grid sync: the barrier orders the block's writes before
+            # thread 0's fence (fences are cumulative), so one thread fences, not all
+            cuda.syncthreads()
+            if tid == 0:
+                cuda.threadfence()
+                tk[0] = cuda.atomic.add(pm, (h0, pm.shape[1] - 1), float32(1.0))
+                cuda.threadfence()
+            cuda.syncthreads()
+            nu = (n + piece - 1) // piece
+            if tk[0] != float32(nu - 1):                  # not the last block (uniform)
+                return
+            if tid == 0:
+                pm[h0, pm.shape[1] - 1] = float32(0.0)
+            for g0 in range(0, G, NW):                    # warp: head g0 + warp, lanes: pieces
+                g2 = g0 + warp
+                gg = min(g2, G - 1)
+                mloc = NEG_INF
+                for pp in range(lane, nu, WARP):
+                    mloc = max(mloc, pm[h0 + gg, pp])
+                mt = warp_max(mloc, red)
+                lloc = float32(0.0)
+                for pp in range(lane, nu, WARP):
+                    f = math.exp2(pm[h0 + gg, pp] - mt)
+                    if g2 < G:
+                        fac[g2, pp] = f
+                    lloc += f * pl[h0 + gg, pp]
+                lt = warp_sum(lloc, red)
+                if lane == 0 and g2 < G:
+                    linv[g2] = float32(1.0) / lt
+            cuda.syncthreads()
+            wb = cuda.local.array(FU4, float32)
+            for x in range(tid, G * nch, NT):             # (head, chunk): FU pieces in flight
+                g2 = x // nch
+                c = x - g2 * nch
+                a0 = float32(0.0)
+                a1 = float32(0.0)
+                a2 = float32(0.0)
+                a3 = float32(0.0)
+                for p0 in range(0, nu, FU):
+                    for u in range(FU):
+                        x0, x1, x2, x3 = _ld4cg(pacc, h0 + g2, min(p0 + u, nu - 1), 4 * c)
+                        wb[4 * u] = x0
+                        wb[4 * u + 1] = x1
+                        wb[4 * u + 2] = x2
+                        wb[4 * u + 3] = x3
+                    for u in range(FU):
+                        f = fac[g2, min(p0 + u, nu - 1)] if p0 + u < nu else float32(0.0)
+                        a0 += f * wb[4 * u]
+                        a1 += f * wb[4 * u + 1]
+                        a2 += f * wb[4 * u + 2]
+                        a3 += f * wb[4 * u + 3]
+                li = linv[g2]
+                out[0, h0 + g2, 4 * c] = a0 * li
+                out[0, h0 + g2, 4 * c + 1] = a1 * li
+                out[0, h0 + g2, 4 * c + 2] = a2 * li
+                out[0, h0 + g2, 4 * c + 3] = a3 * li
+    return partial2
+
+
+def _make_combine2(NCL):
+    NT = C2_THREADS
+    NWC = NT // WARP
+    U = C2_U
+    C4 = NCL * 4
+    UC4 = U * C4
+    DP = NCL * WARP * 4
+    RED = NT if SIM else 1
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(pacc, row, b0, nu, w, lane, nch, buf):
+        """Pieces b0 + u * NWC + w (u < U, clamped) of the row, this lane's chunks -> buf."""
+        for u in range(U):
+            pp = min(b0 + u * NWC + w, nu - 1)
+            for i in range(NCL):
+                c = min(i * WARP + lane, nch - 1)
+                x0, x1, x2, x3 = _ld4cg(pacc, row, pp, 4 * c)
+                o = u * C4 + i * 4
+                buf[o] = x0
+                buf[o + 1] = x1
+                buf[o + 2] = x2
+                buf[o + 3] = x3
+
+    @cuda.jit(device=True, inline=True)
+    def add(fac, b0, nu, w, buf, acc):
+        for u in range(U):
+            pp = b0 + u * NWC + w
+            f = fac[min(pp, nu - 1)] if pp < nu else float32(0.0)
+            for x in range(C4):
+                acc[x] += f * buf[u * C4 + x]
+
+    @cuda.jit
+    def combine2(q_pos, window, split, P, pm, pl, pacc, out):
+        """Merge the used pieces (log2 units) of one head: out [1, Hq, D]; grid Hq, C2_THREADS.
+        Warp w takes pieces w, w + NWC, ... (lanes over D, U pieces in flight); the first U
+        are in flight while the pieces' maxima are reduced."""
+        red = cuda.shared.array(RED, float32)
+        wred = cuda.shared.array(NWC, float32)
+        fac = cuda.shared.array(MAX_SPLITS, float32)
+        sacc = cuda.shared.array((NWC, DP), float32)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        w = tid // WARP
+        row = cuda.blockIdx.x
+        D = out.shape[2]
+        nch = D // 4
+        lo, n, piece = _piece(q_pos, 0, window, split, P)
+        nu = (n + piece - 1) // piece
+        buf = cuda.local.array(UC4, float32)
+        acc = cuda.local.array(C4, float32)
+        for x in range(C4):
+            acc[x] = float32(0.0)
+        fetch(pacc, row, 0, nu, w, lane, nch, buf)
+        mloc = NEG_INF
+        for pp in range(tid, nu, NT):
+            mloc = max(mloc, pm[row, pp])
+        mt = block_max(mloc, red, wred)
+        lloc = float32(0.0)
+        for pp in range(tid, nu, NT):
+            f = math.exp2(pm[row, pp] - mt)
+            fac[pp] = f
+            lloc += f * pl[row, pp]
+        lt = block_sum(lloc, red, wred)               # its barriers publish fac[]
+        add(fac, 0, nu, w, buf, acc)
+        for b0 in range(NWC * U, nu, NWC * U):
+            fetch(pacc, row, b0, nu, w, lane, nch, buf)
+            add(fac, b0, nu, w, buf, acc)
+        for i in range(NCL):
+            for e in range(4):
+                sacc[w, (i * WARP + lane) * 4 + e] = acc[i * 4 + e]
+        cuda.syncthreads()
+        inv = float32(1.0) / lt
+        for d in range(tid, D, NT):
+            s = float32(0.0)
+            for o in range(NWC):
+                s += sacc[o, d]
+            out[0, row, d] = s * inv
+    return combine2
+
+
+_PARTIAL2 = {}
+_COMBINE2 = {}
+
+
+def _sm_count() -> int:
+    if not _SMS:
+        _SMS.append(2 if SIM else int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
+    return _SMS[0]
+
+
+def decode_splits(s_max: int, hkv: int, fused: bool = False, split: int = SPLIT) -> int:
+    """P2: pieces a kv head for the v2 / v2f decode, from S_max and the SM count only (so one
+    captured graph serves every position): about V2_WAVES (v2) / V2F_WAVES (v2f) blocks an SM,
+    at most MAX_SPLITS (attention() also caps it by the partials' P)."""
+    waves = V2F_WAVES if fused else V2_WAVES
+    return max(1, min(cdiv(waves * _sm_count(), hkv), cdiv(s_max, split), MAX_SPLITS))
+
+
+def v2_pieces(s_max: int, hkv: int, p_alloc: int, fused: bool, split: int = SPLIT,
+              splits=None) -> int:
+    """The P2 a v2 / v2f decode launches: splits (default decode_splits()), at most the
+    partials' p_alloc."""
+    p2 = decode_splits(s_max, hkv, fused, split) if splits is None else splits
+    return max(1, min(p2, p_alloc))
+
+
+def partial2_kernel(kind: str, g: int, d: int, kb: int, warps: int, fused: bool):
+    """(kernel, warps, kb) of the v2 partial for a cache kind ("f32" / "bf16"), group size g
+    (<= 32) and head dim d (a multiple of 4); kb is lowered to a power of 2 with GP * kb <= 32."""
+    gp = 1 << (g - 1).bit_length()
+    kb = max(1, min(1 << (max(1, kb).bit_length() - 1), WARP // gp))
+    ncl = cdiv(d // 4, WARP)
+    dp = ncl * WARP * 4
+    nw = max(1, min(warps, SMEM_FLOATS // (g * dp)))
+    key = (kind, g, ncl, kb, nw, bool(fused))
+    if key not in _PARTIAL2:
+        _PARTIAL2[key] = _make_partial2(kind == "bf16", g, ncl, kb, nw, bool(fused))
+    return _PARTIAL2[key], nw, kb
+
+
+def _combine2_kernel(d: int):
+    ncl = cdiv(d // 4, WARP)
+    if ncl not in _COMBINE2:
+        _COMBINE2[ncl] = _make_combine2(ncl)
+    return _COMBINE2[ncl]
+
+
+def _aligned(nbytes, *arrays) -> bool:
+    """Every row of the arrays starts on nbytes (the v2 kernels' vector loads of a 4-value
+    chunk: 16 bytes of fp32, 8 of bf16) and is contiguous."""
+    if SIM:
+        return True
+    return all(a.__cuda_array_interface__["data"][0] % nbytes == 0
+               and a.strides[-1] == a.dtype.itemsize
+               and all(x % nbytes == 0 for x in a.strides[:-1]) for a in arrays)
+
+
+def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb, warps,
+               fused, splits):
+    """The v2 / v2f decode (see the module doc); False where it does not apply (the caller
+    takes the base path)."""
+    t, hq, d = q.shape
+    hkv = kc.shape[1]
+    g = hq // hkv
+    pm, pl, pacc = partials
+    kind = "bf16" if kc.dtype == np.uint16 else "f32"
+    if (t != 1 or d % 4 or g > WARP or not _aligned(16, q, pacc)
+            or not _aligned(8 if kind == "bf16" else 16, kc, vc)):
+        return False
+    p2 = v2_pieces(kc.shape[0], hkv, pm.shape[1] - 1, fused, split, splits)
+    ncl = cdiv(d // 4, WARP)
+    kb = (V2_KB if ncl == 1 else 2) if kb is None else kb
+    warps = (V2F_WARPS if fused else V2_WARPS) if warps is None else warps
+    kern, nw, _ = partial2_kernel(kind, g, d, kb, warps, fused)
+    if kind == "bf16":
+        kv = (kc.view(np.uint32), vc.view(np.uint32))
+    else:
+        kv = (kc, vc)
+    kern[(hkv, p2), nw * WARP, stream](q, kv[0], kv[1], q_pos, float32(scale * LOG2E),
+                                        int32(window), int32(split), pm, pl, pacc, out)
+    if not fused:
+        _combine2_kernel(d)[hq, C2_THREADS, stream](q_pos, int32(window), int32(split),
+                                                    int32(p2), pm, pl, pacc, out)
+    return True
+
+
 def num_splits(s_max: int, split: int = SPLIT, t: int = 1) -> int:
     """P: pieces per (query, kv head) that alloc_partials() makes room for. Decode (t = 1) gets
     up to MAX_SPLITS; a prefill chunk of t queries fills the GPU with t times fewer."""
@@ -387,13 +946,21 @@ def alloc_partials(t: int, hq: int, d: int, s_max: int, split: int = SPLIT):
             cuda.device_array((t * hq, p, d), np.float32))
 
 
-def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SPLIT, kb=KB,
-              warps=ATT_WARPS, fused=None):
+def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SPLIT, kb=None,
+              warps=None, fused=None, variant=None, splits=None):
     """q float32 [T, Hq, D], caches [S_max, Hkv, D] -> out float32 [T, Hq, D].
 
-    split: fewest keys a block takes; kb, warps: partial-kernel variants; fused: merge the
-    pieces in the partial kernel (one launch; default FUSED where fusable()) or in a separate
-    combine kernel (benchmark sweeps)."""
+    split: fewest keys a block takes; kb, warps: partial-kernel variants (default KB /
+    ATT_WARPS for base, V2_KB / V2_WARPS / V2F_WARPS for v2 / v2f); fused (base only): merge
+    the pieces in the partial kernel (one launch; default FUSED where fusable()) or in a
+    separate combine kernel. variant: the decode (T = 1) path, one of VARIANTS (default
+    DECODE_VARIANT; v2 / v2f need D % 4 == 0, G <= 32 and rows of q, the caches and the
+    partials aligned to their 4-value chunks, else base runs); splits: v2 / v2f pieces a kv
+    head (default decode_splits()).
+    Returns the path that ran: "base", "v2" or "v2f"."""
+    variant = DECODE_VARIANT if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown attention variant {variant!r} (one of {VARIANTS})")
     t, hq, d = q.shape
     hkv = kc.shape[1]
     if d > MAX_D:
@@ -408,13 +975,18 @@ def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SP
     if p > MAX_SPLITS or pm.shape[0] < t * hq or pl.shape[1] != p:
         raise ValueError(f"partials {pm.shape} do not fit {t} queries x {hq} heads "
                          f"(at most {MAX_SPLITS} splits; allocate with alloc_partials())")
+    if variant != "base" and _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window,
+                                        split, kb, warps, variant == "v2f", splits):
+        return variant
+    kb = KB if kb is None else kb
+    warps = ATT_WARPS if warps is None else warps
     g = hq // hkv
     fused = (FUSED if fused is None else fused) and fusable(g, p)
     kern, nw = partial_kernel(kind, g, d, kb, warps, fused)
     kern[(t * hkv, p), nw * WARP, stream](q, kc.view(np.uint64), vc.view(np.uint64), q_pos,
                                           float32(scale), int32(window), int32(split),
                                           pm, pl, pacc, out)
-    if fused:
-        return
-    comb = _COMBINE[MAX_D // WARP // 2 if d <= MAX_D // 2 else MAX_D // WARP]
-    comb[t * hq, COMB_THREADS, stream](q_pos, int32(window), int32(split), pm, pl, pacc, out)
+    if not fused:
+        comb = _COMBINE[MAX_D // WARP // 2 if d <= MAX_D // 2 else MAX_D // WARP]
+        comb[t * hq, COMB_THREADS, stream](q_pos, int32(window), int32(split), pm, pl, pacc, out)
+    return "base"

@@ -2,6 +2,7 @@
 the device-to-device copy bandwidth measured in the same run.
 
     python3 tools/sweep_dense.py out.json          # H200: about a minute, compiles included
+    python3 tools/sweep_dense.py --ops attention --budget 400 att.json   # decode attention only
     NUMBA_ENABLE_CUDASIM=1 python3 tools/sweep_dense.py --sim out.json   # tiny shapes, CPU
 
 One line per (op, shape, variant): microseconds per call, GB/s of the bytes the op must read
@@ -9,10 +10,14 @@ One line per (op, shape, variant): microseconds per call, GB/s of the bytes the 
 bandwidth. Every call reads its own copy of the weights / KV cache, rotating over enough copies
 to be several times the 60 MB L2, so nothing is served from L2 that would not be in a model.
 Each variant's output is checked against numpy once (err: max |error| / max |ref|).
+Attention: every decode variant of gpu_attention (base = the partial + combine kernels; v2 =
+partial2 + combine2; v2f = partial2 merging in its last block, one launch) with its knobs,
+ending with a table of us per call (ratio to copy) per case; "comb" = the combine launch alone.
 Legend: N x K = weight rows x inner size, T = tokens, S = cache rows, pos = the query position.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -30,7 +35,7 @@ from kernels_numba import gpu_attention as ga  # noqa: E402
 from kernels_numba import gpu_dense as gd  # noqa: E402
 from kernels_numba import reference as ref  # noqa: E402
 
-BUDGET_S = 85             # stop starting new cases after this long (the whole run: < 100 s)
+BUDGET_S = 85             # stop starting new cases after this long (--budget; default: < 100 s)
 ROTATE_BYTES = 8 << 20 if SIM else 256 << 20   # bytes of copies a graph rotates through
 MAX_COPIES = 2 if SIM else 256
 REPS = 1 if SIM else 5    # graph replays timed
@@ -41,7 +46,10 @@ if SIM:
     LIN_CONFIGS = [None, (2, 2, 2)]
     LIN_T_CONFIGS = LIN_CONFIGS
     ATT_CASES = [dict(s_max=12, pos=9, hq=2, hkv=1, d=8)]
-    ATT_VARIANTS = [dict(), dict(fused=False), dict(split=2, kb=4, warps=1)]
+    ATT_VARIANTS = [dict(variant="base"), dict(variant="base", fused=True),
+                    dict(variant="base", split=2, kb=4, warps=1), dict(variant="v2"),
+                    dict(variant="v2", split=2, kb=2, warps=1), dict(variant="v2f"),
+                    dict(variant="v2f", split=2, splits=3)]
     QKR_CASES = [dict(t=1, hq=2, hkv=1, d=16, r=16)]
 else:
     LIN_SHAPES = [(5120, 2048), (2048, 4096), (4096, 2048), (151936, 2048), (128, 2048),
@@ -51,12 +59,22 @@ else:
     LIN_CONFIGS = [None, (1, 1, 4), (2, 1, 4), (4, 1, 2), (2, 2, 4), (2, 2, 2), (1, 4, 4),
                    (1, 8, 2), (2, 1, 2)]
     LIN_T_CONFIGS = [None, (1, 1, 4), (2, 1, 4), (2, 2, 4)]     # T > 1
-    ATT_CASES = [dict(s_max=4096, pos=2047, hq=32, hkv=4, d=128),
+    ATT_CASES = [dict(s_max=4096, pos=2047, hq=32, hkv=4, d=128),    # the two that decide
+                 dict(s_max=32768, pos=32767, hq=32, hkv=4, d=128),
                  dict(s_max=4096, pos=4095, hq=32, hkv=4, d=128),
-                 dict(s_max=4096, pos=255, hq=32, hkv=4, d=128),
-                 dict(s_max=32768, pos=32767, hq=32, hkv=4, d=128)]
-    ATT_VARIANTS = [dict(), dict(fused=False), dict(split=16), dict(split=64), dict(kb=4),
-                    dict(kb=1), dict(warps=2), dict(warps=8), dict(split=64, warps=8)]
+                 dict(s_max=4096, pos=255, hq=32, hkv=4, d=128)]
+    # base: the old default (two launches), its best knobs of the last sweep; the one-launch
+    # base (fused=True, 67 us) is left out. v2 / v2f: defaults first, then kb (keys a warp
+    # step), warps, splits (pieces a kv head: 33 / 66 / 132 = 1 / 2 / 4 blocks an SM)
+    ATT_VARIANTS = [dict(variant="base"), dict(variant="base", kb=4),
+                    dict(variant="base", split=64),
+                    dict(variant="v2"), dict(variant="v2", kb=2), dict(variant="v2", warps=2),
+                    dict(variant="v2", warps=8), dict(variant="v2", splits=33),
+                    dict(variant="v2", splits=128), dict(variant="v2", splits=33, warps=8),
+                    dict(variant="v2f"), dict(variant="v2f", warps=4), dict(variant="v2f", kb=2),
+                    dict(variant="v2f", splits=17), dict(variant="v2f", splits=66),
+                    dict(variant="v2f", splits=66, warps=4),
+                    dict(variant="v2f", splits=17, warps=4)]
     QKR_CASES = [dict(t=1, hq=32, hkv=4, d=128, r=128), dict(t=7, hq=32, hkv=4, d=128, r=128),
                  dict(t=1, hq=16, hkv=2, d=256, r=64)]
 
@@ -156,6 +174,22 @@ def sweep_linear(rows, t_start, stream, rng, bw):
                       f"{gbs / bw:5.2f} of copy  err {err:.1e}", flush=True)
 
 
+def _att_combine(var, parts, hq, hkv, d, s_max, split):
+    """fn(stream, qp, out) launching the variant's combine kernel alone, or None (one launch)."""
+    variant = var.get("variant", ga.DECODE_VARIANT)
+    p_alloc = parts[0].shape[1] - 1
+    if variant == "v2":
+        p2 = ga.v2_pieces(s_max, hkv, p_alloc, False, split, var.get("splits"))
+        comb = ga._combine2_kernel(d)
+        return lambda st, qp, out: comb[hq, ga.C2_THREADS, st](
+            qp, np.int32(0), np.int32(split), np.int32(p2), *parts, out)
+    if variant == "base" and not (var.get("fused", ga.FUSED) and ga.fusable(hq // hkv, p_alloc)):
+        comb = ga._COMBINE[ga.MAX_D // ga.WARP // 2 if d <= ga.MAX_D // 2 else ga.MAX_D // ga.WARP]
+        return lambda st, qp, out: comb[hq, ga.COMB_THREADS, st](
+            qp, np.int32(0), np.int32(split), *parts, out)
+    return None
+
+
 def sweep_attention(rows, t_start, stream, rng, bw):
     for case in ATT_CASES:
         s_max, pos, hq, hkv, d = (case[x] for x in ("s_max", "pos", "hq", "hkv", "d"))
@@ -175,7 +209,7 @@ def sweep_attention(rows, t_start, stream, rng, bw):
         exp = ref.attention(q_h, k_h, v_h, qp_h, scale)
         shape = f"S={s_max} pos={pos} {hq}/{hkv}x{d}"
         for var in ATT_VARIANTS:
-            name = ",".join(f"{a}={b}" for a, b in var.items()) or "default"
+            name = ",".join(f"{b}" if a == "variant" else f"{a}={b}" for a, b in var.items())
             if time.time() - t_start > BUDGET_S:
                 rows.append(dict(op="attention", shape=shape, variant=name, skipped="time budget"))
                 continue
@@ -183,7 +217,7 @@ def sweep_attention(rows, t_start, stream, rng, bw):
             try:
                 parts = ga.alloc_partials(1, hq, d, s_max, split)
                 out.copy_to_device(np.full((1, hq, d), np.nan, np.float32))
-                ga.attention(q, kc[0], vc[0], qp, scale, out, parts, stream, **var)
+                path = ga.attention(q, kc[0], vc[0], qp, scale, out, parts, stream, **var)
                 stream.synchronize()
                 err = float(np.abs(out.copy_to_host() - exp).max() / np.abs(exp).max())
 
@@ -191,28 +225,53 @@ def sweep_attention(rows, t_start, stream, rng, bw):
                     for c in range(copies):
                         ga.attention(q, kc[c], vc[c], qp, scale, out, parts, st, **var)
                 us = time_graph_us(run, stream, copies)
-                fused = var.get("fused", ga.FUSED) and ga.fusable(hq // hkv, parts[0].shape[1] - 1)
-                comb = ga._COMBINE[ga.MAX_D // ga.WARP // 2 if d <= ga.MAX_D // 2
-                                   else ga.MAX_D // ga.WARP]
+                comb = _att_combine(var, parts, hq, hkv, d, s_max, split)
 
-                def run_comb(st, parts=parts, split=split):
+                def run_comb(st, comb=comb):
                     for _ in range(copies):
-                        comb[hq, ga.COMB_THREADS, st](qp, np.int32(0), np.int32(split), *parts,
-                                                      out)
-                us_comb = 0.0 if fused else time_graph_us(run_comb, stream, copies)
+                        comb(st, qp, out)
+                us_comb = 0.0 if comb is None else time_graph_us(run_comb, stream, copies)
+                ticket = float(np.abs(parts[0].copy_to_host()[:, -1]).max())
             except Exception as e:
                 rows.append(dict(op="attention", shape=shape, variant=name,
                                  error=f"{type(e).__name__}: {e}"[:300]))
                 print(f"attention {shape} {name}: {type(e).__name__}: {e}", flush=True)
                 continue
             gbs = read / (us * 1e-6) / 1e9
-            rows.append(dict(op="attention", shape=shape, variant=name, us=us, combine_us=us_comb,
-                             gbs=gbs, ratio=gbs / bw, err=err, splits=parts[0].shape[1] - 1,
-                             fused=bool(fused),
-                             copies=copies))
-            print(f"attention {shape:28s} {name:20s} {us:8.2f} us "
-                  f"({'fused' if fused else f'combine {us_comb:5.2f}'}) "
-                  f"{gbs:7.0f} GB/s {gbs / bw:5.2f} of copy  err {err:.1e}", flush=True)
+            rows.append(dict(op="attention", shape=shape, variant=name, path=path, us=us,
+                             combine_us=us_comb, gbs=gbs, ratio=gbs / bw, err=err,
+                             splits=parts[0].shape[1] - 1, one_launch=comb is None,
+                             ticket_left=ticket, copies=copies))
+            print(f"attention {shape:28s} {name:24s} {us:8.2f} us "
+                  f"({'one launch' if comb is None else f'comb {us_comb:5.2f}'}) "
+                  f"{gbs:7.0f} GB/s {gbs / bw:5.2f} of copy  err {err:.1e}"
+                  + ("" if path == var.get("variant", ga.DECODE_VARIANT) else f"  RAN {path}")
+                  + ("" if ticket == 0 else f"  TICKET LEFT {ticket}"), flush=True)
+    attention_table(rows)
+
+
+def attention_table(rows) -> None:
+    """One line per variant: us (ratio to copy) per case; '!' marks err > 1e-5 or a fallback."""
+    att = [r for r in rows if r.get("op") == "attention" and "us" in r]
+    if not att:
+        return
+    shapes = list(dict.fromkeys(r["shape"] for r in att))
+    names = list(dict.fromkeys(r["variant"] for r in att))
+    cell = {(r["variant"], r["shape"]): r for r in att}
+    heads = [sh.split(" ")[0] + " " + sh.split(" ")[1] for sh in shapes]
+    print("\nattention, us per call as replayed in a graph (ratio of copy):")
+    print(f"{'variant':26s}" + "".join(f"{h:>24s}" for h in heads))
+    for nm in names:
+        line = f"{nm:26s}"
+        for sh in shapes:
+            r = cell.get((nm, sh))
+            if r is None:
+                line += f"{'-':>24s}"
+                continue
+            bad = r["err"] > 1e-5 or r["path"] != nm.split(",")[0] or r["ticket_left"] != 0
+            comb = "" if r["one_launch"] else f"+c{r['combine_us']:.1f}"
+            line += f"{r['us']:9.2f}{comb:>6s} ({r['ratio']:4.2f}){'!' if bad else ' '}"
+        print(line, flush=True)
 
 
 def sweep_qk_norm_rope(rows, t_start, stream, rng, bw):
@@ -263,9 +322,30 @@ def sweep_qk_norm_rope(rows, t_start, stream, rng, bw):
               f"err {err:.1e}", flush=True)
 
 
+OPS = ("linear", "qk_norm_rope", "attention")
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description="Sweep the dense decode kernels' variants.")
+    ap.add_argument("out", nargs="?", default="sweep_dense.json", help="results (JSON)")
+    ap.add_argument("--sim", action="store_true", help="NUMBA_ENABLE_CUDASIM, tiny shapes")
+    ap.add_argument("--ops", default=",".join(OPS),
+                    help=f"comma-separated subset of {','.join(OPS)} (default: all)")
+    ap.add_argument("--budget", type=float, default=BUDGET_S,
+                    help="seconds after which no new case starts (default %(default)s)")
+    a = ap.parse_args(argv)
+    a.ops = [o for o in a.ops.split(",") if o]
+    bad = [o for o in a.ops if o not in OPS]
+    if bad:
+        ap.error(f"unknown op(s) {bad}: choose from {OPS}")
+    return a
+
+
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--sim"]
-    out_path = args[0] if args else "sweep_dense.json"
+    global BUDGET_S
+    args = parse_args(sys.argv[1:])
+    BUDGET_S = args.budget
+    out_path = args.out
     t_start = time.time()
     if not SIM and not cuda.is_available():
         sys.exit("needs a CUDA GPU (or --sim)")
@@ -277,9 +357,10 @@ def main() -> None:
     print(f"device {dev}: d2d copy {bw:.0f} GB/s", flush=True)
     res = dict(device=dev, copy_gbs=bw, sim=SIM, rows=[])
     try:
-        sweep_linear(res["rows"], t_start, stream, rng, bw)
-        sweep_qk_norm_rope(res["rows"], t_start, stream, rng, bw)
-        sweep_attention(res["rows"], t_start, stream, rng, bw)
+        for op, fn in (("linear", sweep_linear), ("qk_norm_rope", sweep_qk_norm_rope),
+                       ("attention", sweep_attention)):
+            if op in args.ops:
+                fn(res["rows"], t_start, stream, rng, bw)
     finally:
         res["elapsed_s"] = time.time() - t_start
         with open(out_path, "w") as f:
