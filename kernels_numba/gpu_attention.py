@@ -397,7 +397,7 @@ _COMBINE = {dl: _make_combine(dl) for dl in (MAX_D // WARP // 2, MAX_D // WARP)}
 # ---- decode v2 / v2f (T = 1) -----------------------------------------------------------------
 
 VARIANTS = ("base", "v2", "v2f")
-DECODE_VARIANT = "base"       # T = 1 path when attention() is not told (flip after a GPU sweep)
+DECODE_VARIANT = "v2f"        # T = 1 path when attention() is not told (H200 sweep, docs/PERF.md)
 V2_KB = 4                     # keys a warp scores a step (a power of 2, GP * KB <= 32)
 V2_WARPS = 2 if SIM else 4
 V2F_WARPS = 2 if SIM else 8   # the fused merge's block: more threads, more rows in flight
