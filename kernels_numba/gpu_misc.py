@@ -76,18 +76,6 @@ def silu_mul(g, u, out, stream):
 
 
 @cuda.jit
-def _map_slots(ids, slot_of, slots):
-    """slots[k] = slot_of[ids[0, k]]: routing -> bank slots on the device (all-resident decode)."""
-    k = cuda.grid(1)
-    if k < slots.shape[0]:
-        slots[k] = slot_of[ids[0, k]]
-
-
-def map_slots(ids, slot_of, slots, stream):
-    _map_slots[1, 64, stream](ids, slot_of, slots)
-
-
-@cuda.jit
 def _zero(x):
     i = cuda.grid(1)
     if i < x.shape[0]:

@@ -2,7 +2,7 @@
 - gd.linear(..., norm=(g, eps, w_offset, h_out)) against gd.rmsnorm then gd.linear (and the
   numpy oracles), fp32 and bf16 weights, w_offset 0 and 1, with and without h_out, one token,
   two, and more than a token tile (two passes), accumulating or not;
-- gs.router_topk(..., slots=(slot_of, out)) against gs.router_topk then gm.map_slots.
+- gs.router_topk(..., slots=(slot_of, out)) against gs.router_topk and slot_of[ids].
 
 Two ways in, as tests/test_cuda_kernels.py: test_simulator() runs this file as a script in a
 subprocess with NUMBA_ENABLE_CUDASIM=1 at tiny shapes; the tests marked `gpu` run the same
@@ -102,9 +102,8 @@ def check_linear_norm_errors():
 
 
 def check_router_slots(rng, t, e, k):
-    """router_topk with the slot table against router_topk then map_slots (one token, as the
-    all-resident decode) or slot_of[ids] (more tokens); ids and weights equal bit for bit."""
-    from kernels_numba import gpu_misc as gm
+    """router_topk with the slot table against router_topk without it and slot_of[ids]; ids
+    and weights equal bit for bit."""
     from kernels_numba import gpu_sampling as gs
     stream = cuda.stream()
     for norm in (True, False):
@@ -113,8 +112,6 @@ def check_router_slots(rng, t, e, k):
         dl, dso = cuda.to_device(logits), cuda.to_device(slot_of)
         ids2, w2 = _nan((t, k), np.int32), _nan((t, k))
         gs.router_topk(dl, norm, ids2, w2, stream)
-        slots2 = _nan(k, np.int32)
-        gm.map_slots(ids2, dso, slots2, stream)
         ids1, w1, slots1 = _nan((t, k), np.int32), _nan((t, k)), _nan((t, k), np.int32)
         gs.router_topk(dl, norm, ids1, w1, stream, slots=(dso, slots1))
         stream.synchronize()
@@ -125,7 +122,6 @@ def check_router_slots(rng, t, e, k):
         assert np.array_equal(ids, ref.router_topk(logits, k, norm)[0]), what + ": ids (oracle)"
         got = slots1.copy_to_host()
         assert np.array_equal(got, slot_of[ids]), what + ": slots"
-        assert np.array_equal(got[0], slots2.copy_to_host()), what + ": slots against map_slots"
     with pytest.raises(ValueError, match="router_topk slots"):
         gs.router_topk(dl, True, ids1, w1, stream, slots=(dso[:e - 1], slots1))
 

@@ -25,7 +25,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 LAYERS = 16
-REPS = 20
 MAGIC = np.uint64(0x9E3779B97F4A7C15)
 _K = {}
 
@@ -66,7 +65,7 @@ def main() -> int:
     a = ap.parse_args()
     from numba import cuda
 
-    from engine.graphs import capture_fn
+    from tools.sweep_dense import time_graph_us
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
     nb = int(a.mb * 1e6) // 16 * 16
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mb": nb / 1e6, "rows": []}
@@ -75,17 +74,8 @@ def main() -> int:
     wide = narrow.reshape(-1, 2)
     out = cuda.device_array(1, np.uint64)
 
-    def time_graph(fn):
-        g = capture_fn(fn, stream)
-        g.launch(stream)
-        stream.synchronize()
-        e0, e1 = cuda.event(), cuda.event()
-        e0.record(stream)
-        for _ in range(REPS):
-            g.launch(stream)
-        e1.record(stream)
-        e1.synchronize()
-        return e0.elapsed_time(e1) * 1e3 / REPS / LAYERS
+    def time_graph(fn):   # us a launch: fn makes one launch a layer
+        return time_graph_us(fn, stream, LAYERS)
 
     src = cuda.device_array(LAYERS * nb, np.uint8)
     dst = cuda.device_array(nb, np.uint8)
