@@ -1804,13 +1804,14 @@ SWEEP = {   # what tools/sweep_experts.py times
               "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1",
               "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
               "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2", "lut-g32-d16",
-              "lut-g16-d16"],
+              "lut-g16-d16", "mma-g4-d2", "mma-g4-d4", "mma-g8-d2", "mma-g2-d2", "mma-g8-d4"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
 }
 _VARIANT_RE = re.compile(r"^(p|q)?(tab|arith|mix|pair|bpair)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
 _LUT_RE = re.compile(r"^lut-g(\d+)-d(\d+)(?:-m(\d))?$")   # NVFP4: gpu_experts_lut, GW / DW warps a block
+_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)$")   # NVFP4: gpu_experts_mma, SG / SD steps a warp
 _FLAT = {}
 
 
@@ -1822,6 +1823,9 @@ def parse_variant(fmt: str, variant: str):
     m = _LUT_RE.match(v)
     if m and fmt == "nvfp4":
         return ("lut", int(m.group(1)), int(m.group(3) or 0), int(m.group(2)), 0)
+    m = _MMA_RE.match(v)
+    if m and fmt == "nvfp4":
+        return ("mma", int(m.group(1)), 0, int(m.group(2)), 0)
     m = _VARIANT_RE.match(v)
     ok = (fmt == "nvfp4" and m.group(2) in _Q_DEC) if m and m.group(1) == "q" else \
         bool(m) and (fmt, m.group(2)) in _FLAT_DEC
@@ -1900,6 +1904,19 @@ def _threads_for(chunks: int, per_thread: int) -> int:
     return min(cdiv(cdiv(chunks, per_thread), WARP) * WARP, 256 if SIM else 1024)
 
 
+MMA_FALLBACK = "qtab-g8j1-d4j2"   # where the mma kernels cannot run a layout (Hs, Is % 128)
+
+
+def _mma_or_fallback(fmt, cfg, views, lay_host, k):
+    """cfg, or MMA_FALLBACK's when cfg is an mma variant these shapes do not allow."""
+    if cfg is None or cfg[0] != "mma":
+        return cfg
+    from . import gpu_experts_mma
+    if gpu_experts_mma.supported(lay_host, k, cfg, views[1].shape[1]):
+        return cfg
+    return parse_variant(fmt, MMA_FALLBACK)
+
+
 def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="", min_blocks=0,
                    unroll=0, threads=THREADS):
     """x float32 [H] -> act float32 [K, I] for the K experts in slots int32 [K].
@@ -1909,6 +1926,11 @@ def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="",
     if cfg is not None and cfg[0] == "lut":
         from . import gpu_experts_lut
         gpu_experts_lut.gate_up(cfg, views, lay, lay_host, slots, x, act, stream)
+        return
+    cfg = _mma_or_fallback(fmt, cfg, views, lay_host, slots.shape[0])
+    if cfg is not None and cfg[0] == "mma":
+        from . import gpu_experts_mma
+        gpu_experts_mma.gate_up(cfg, views, lay, lay_host, slots, x, act, stream)
         return
     if cfg is not None:
         dec, gr, gj, _, _ = cfg
@@ -1941,6 +1963,12 @@ def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, acc
     if cfg is not None and cfg[0] == "lut":
         from . import gpu_experts_lut
         gpu_experts_lut.down(cfg, views, lay, lay_host, slots, weights, act, out, stream,
+                             accumulate)
+        return
+    cfg = _mma_or_fallback(fmt, cfg, views, lay_host, slots.shape[0])
+    if cfg is not None and cfg[0] == "mma":
+        from . import gpu_experts_mma
+        gpu_experts_mma.down(cfg, views, lay, lay_host, slots, weights, act, out, stream,
                              accumulate)
         return
     if cfg is not None:

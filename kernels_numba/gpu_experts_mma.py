@@ -1,0 +1,445 @@
+"""NVFP4 expert decode (one token) on the tensor cores: mma.sync m16n8k16, f16 in, f32 accumulate.
+
+The q / lut kernels of gpu_experts*.py multiply every weight on the CUDA cores (5-9 instructions
+a weight) and hold their loads at low occupancy. Here a warp decodes E2M1 nibbles straight into
+f16 pairs with three bit operations a pair, scales them by the group's E4M3 scale (one f16x2
+multiply a pair, exact) and lets one mma multiply 256 weights; the f32 accumulation is the
+tensor core's. Every warp issues all its weight loads (16 bytes a lane) before anything else,
+so a block's bytes are in flight while it builds its input fragments.
+
+Exactness. A = E2M1 * s * 2^-7 is exact in f16 (at most 6 significant bits, 2^-17..21). The
+input is split x * c = hi + lo, two f16 (22 significant bits); hi goes to column 0 of the
+mma's B, lo to column 1 (the 8 columns are paid for anyway), so D[:, 0] + D[:, 1] = A (x * c)
+to ~2^-22 relative; c = 2^(13 - floor(log2 max|x|)) per block keeps hi and lo in f16 range.
+
+Tiles. A warp's mma tile is 16 rows x 16 columns. A step is 128 columns (64 bytes a row):
+lane (g = lane / 4, t = lane % 4) loads 16 bytes of row g and of row g + 8 at byte 16 t of the
+step. Word q (8 nibbles, columns c0 .. c0 + 7, c0 = 128 st + 32 t + 8 q) gives four f16 pairs
+P_i = (nibble i, nibble i + 4): (P0, P1) feed one mma as (a0, a2) and (P2, P3) the next; the
+matching B pairs (x[c0 + i], x[c0 + i + 4]) sit in shared memory, laid out so a warp's read is
+one conflict-free 128-byte line (lanes of the same g % 2 and t read the same address).
+    gate_up: block = (expert, 8 rows); A rows 0-7 are gate rows, 8-15 the same up rows; warp w
+             takes steps [w S, w S + S) of the Hs / 128; partial sums meet in shared memory
+             -> act [K, I] = silu(g) * u (one block writes each row: no atomics)
+    down:    block = 16 output rows; the columns are all K experts' rows side by side (an
+             expert's routing weight and global scale folded into its B values); warp w
+             takes steps [w S, w S + S) of the K * Is / 128 -> out [H] (+= when accumulate)
+Needs Hs and Is multiples of 128 (supported() says; the launcher falls back to the q kernels).
+Under the simulator the mma, the f16 multiply and the split run as numpy emulations.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from .gpu_util import SIM, WARP, block_max, cdiv, float_as_uint, int_as_float, silu
+
+STEP = 128                        # columns a warp's step covers (64 bytes a row, 16 a lane)
+STEP_U32 = 128                    # shared uint32 of B fragments a step (4 words x 2 x 4 x 4)
+MAX_WARPS = 32
+SHARED_LIMIT = 48 * 1024          # dynamic shared bytes without the opt-in
+RED = 1024 if SIM else 1          # the simulator's block reductions (unused on the GPU)
+MXW = MAX_WARPS if SIM else 1     # the simulator's mma scratch, [warps, 32 lanes, 6 words]
+_MAG, _SGN = np.uint32(0x0E000E00), np.uint32(0x80008000)
+_LO16, _HI16 = np.uint32(0xFFFF), np.uint32(0xFFFF0000)
+_S1, _S2, _S3, _S4, _S5, _S7, _S8 = (np.uint32(v) for v in (1, 2, 3, 4, 5, 7, 8))
+_S9, _S12, _S15, _S16 = (np.uint32(v) for v in (9, 12, 15, 16))
+_SC_LO, _SC_LS = np.uint32(0x3F80), np.uint32(0x8000)
+_SC_HI, _SC_HS = np.uint32(0x3F800000), np.uint32(0x80000000)
+_TWO15 = np.uint32(0x78007800)    # f16x2 (2^15, 2^15)
+
+
+if SIM:
+    def _h(bits):
+        return np.array([int(bits) & 0xFFFF], np.uint16).view(np.float16)[0]
+
+    def _bits(v):
+        return int(np.array([v], np.float16).view(np.uint16)[0])
+
+    @cuda.jit(device=True)
+    def _ld4(a, i, j):
+        """a[i, j:j + 4] of a uint32 array (one 16-byte ld.global.nc on the GPU)."""
+        return uint32(a[i, j]), uint32(a[i, j + 1]), uint32(a[i, j + 2]), uint32(a[i, j + 3])
+
+    @cuda.jit(device=True)
+    def _hmul2(a, b):
+        lo = _bits(np.float16(_h(a) * _h(b)))
+        hi = _bits(np.float16(_h(int(a) >> 16) * _h(int(b) >> 16)))
+        return uint32(lo | (hi << 16))
+
+    @cuda.jit(device=True)
+    def _split2(x0, x1):
+        """(hi, lo) f16 pairs: hi = f16(x), lo = f16(x - hi), element 0 in the low halves."""
+        h0, h1 = np.float16(x0), np.float16(x1)
+        l0 = np.float16(np.float32(x0) - np.float32(h0))
+        l1 = np.float16(np.float32(x1) - np.float32(h1))
+        return uint32(_bits(h0) | (_bits(h1) << 16)), uint32(_bits(l0) | (_bits(l1) << 16))
+
+    def _frag(mx, w, lane, reg, half):
+        return float(_h(int(mx[w, lane, reg]) >> (16 * half)))
+
+    @cuda.jit(device=True)
+    def _mma(mx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C for the warp's m16n8k16 fragments (PTX ISA layout), every thread of the
+        block calling: fragments through shared memory between two barriers."""
+        tid = cuda.threadIdx.x
+        w = tid // WARP
+        lane = tid % WARP
+        for r, v in enumerate((a0, a1, a2, a3, b0, b1)):
+            mx[w, lane, r] = v
+        cuda.syncthreads()
+        g = lane >> 2
+        t = lane & 3
+        d = []
+        for row, col in ((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)):
+            s = 0.0
+            for k in range(16):
+                kk = (k % 8) // 2
+                ar = (1 if row >= 8 else 0) + (2 if k >= 8 else 0)
+                s += (_frag(mx, w, 4 * (row % 8) + kk, ar, k % 2)
+                      * _frag(mx, w, 4 * col + kk, 4 + (1 if k >= 8 else 0), k % 2))
+            d.append(s)
+        cuda.syncthreads()
+        return (float32(c0 + d[0]), float32(c1 + d[1]), float32(c2 + d[2]),
+                float32(c3 + d[3]))
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _I32, _F32 = ir.IntType(32), ir.FloatType()
+
+    def _u32s(context, builder, sig, args, lo, hi):
+        return [context.cast(builder, v, t, types.uint32)
+                for v, t in zip(args[lo:hi], sig.args[lo:hi])]
+
+    @intrinsic
+    def _ld4(typingctx, a, i, j):
+        """a[i, j:j + 4] of a 2-D uint32 array, one ld.global.nc.v4 (16-byte aligned address).
+        An asm with side effects, so the loads are issued where the source puts them: before
+        the block builds its fragments."""
+        if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.uint32):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(a, i, j)
+
+        def codegen(context, builder, sig, args):
+            arr = context.make_array(sig.args[0])(context, builder, value=args[0])
+            idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], arr, idx)
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0,$1,$2,$3}, [$4];",
+                               "=r,=r,=r,=r,l", side_effect=True)
+            res = builder.call(asm, [ptr])
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, x) for x in range(4)])
+        return sig, codegen
+
+    @intrinsic
+    def _hmul2(typingctx, a, b):
+        sig = types.uint32(a, b)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(_I32, [_I32, _I32])
+            asm = ir.InlineAsm(fnty, "mul.rn.f16x2 $0, $1, $2;", "=r,r,r")
+            return builder.call(asm, _u32s(context, builder, sig, args, 0, 2))
+        return sig, codegen
+
+    @intrinsic
+    def _split2(typingctx, x0, x1):
+        sig = types.UniTuple(types.uint32, 2)(x0, x1)
+
+        def codegen(context, builder, sig, args):
+            fl = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 2), [_F32, _F32])
+            asm = ir.InlineAsm(
+                fnty, "{ .reg .b16 h0, h1; .reg .f32 f0, f1; cvt.rn.f16.f32 h0, $2; "
+                "cvt.rn.f16.f32 h1, $3; cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; "
+                "sub.rn.f32 f0, $2, f0; sub.rn.f32 f1, $3, f1; mov.b32 $0, {h0, h1}; "
+                "cvt.rn.f16x2.f32 $1, f1, f0; }", "=r,=r,f,f")
+            res = builder.call(asm, fl)
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, x) for x in range(2)])
+        return sig, codegen
+
+    @intrinsic
+    def _mma(typingctx, mx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = types.UniTuple(types.float32, 4)(mx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            fl = [context.cast(builder, v, t, types.float32) for v, t in zip(args[7:], sig.args[7:])]
+            fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+            asm = ir.InlineAsm(
+                fnty, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, "
+                "{$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            res = builder.call(asm, _u32s(context, builder, sig, args, 1, 7) + fl)
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, x) for x in range(4)])
+        return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def _scales(u):
+    """uint32 holding two E4M3 bytes (groups a, b) -> f16x2 (sa, sa), (sb, sb), each s * 2^7
+    (bits as f16 give s * 2^-8, exact also for subnormal E4M3; the f16 multiply by 2^15 is exact)."""
+    p = ((u << _S7) & _SC_LO) | ((u << _S8) & _SC_LS) | ((u << _S15) & _SC_HI) | \
+        ((u << _S16) & _SC_HS)
+    p = _hmul2(p, _TWO15)
+    return (p & _LO16) | (p << _S16), (p >> _S16) | (p & _HI16)
+
+
+@cuda.jit(device=True, inline=True)
+def _pairs(w, sc):
+    """8 E2M1 nibbles of w -> four f16x2 pairs (nibble i, nibble i + 4) * scale pair sc.
+    Magnitude bits to f16 bits 9-11 (f16 = E2M1 * 2^-14, 0.5 a subnormal), sign to bit 15."""
+    p0 = ((w << _S9) & _MAG) | ((w << _S12) & _SGN)
+    p1 = ((w << _S5) & _MAG) | ((w << _S8) & _SGN)
+    p2 = ((w << _S1) & _MAG) | ((w << _S4) & _SGN)
+    p3 = ((w >> _S3) & _MAG) | (w & _SGN)
+    return _hmul2(p0, sc), _hmul2(p1, sc), _hmul2(p2, sc), _hmul2(p3, sc)
+
+
+@cuda.jit(device=True, inline=True)
+def _input_scale(amax):
+    """c = 2^(13 - floor(log2 amax)) (|x c| < 2^14), clamped to normal floats; and 1 / c."""
+    eb = int32((float_as_uint(amax) >> _S16) >> _S7) & int32(0xFF)
+    f = min(max(int32(267) - eb, int32(1)), int32(254))
+    c = int_as_float(uint32(f) << np.uint32(23))
+    return c, float32(1.0) / c
+
+
+@cuda.jit(device=True, inline=True)
+def _store_unit(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
+    """B fragments of one (step, word, t) unit: pairs (v0, v4) (v1, v5) | (v2, v6) (v3, v7) as
+    hi at base .. base + 3 and lo at base + 16 .. base + 19."""
+    h0, l0 = _split2(v0, v4)
+    h1, l1 = _split2(v1, v5)
+    h2, l2 = _split2(v2, v6)
+    h3, l3 = _split2(v3, v7)
+    bsh[base] = h0
+    bsh[base + 1] = h1
+    bsh[base + 2] = h2
+    bsh[base + 3] = h3
+    bsh[base + 16] = l0
+    bsh[base + 17] = l1
+    bsh[base + 18] = l2
+    bsh[base + 19] = l3
+
+
+def _make(S: int):
+    """(gate_up, down) with S steps (S * 128 columns) a warp."""
+    NW8 = 8 * S                   # weight words a lane holds: 2 rows x 4 words a step
+    NS2 = 2 * S
+
+    @cuda.jit(device=True, inline=True)
+    def steps(mx, bsh, wv, sv, st0):
+        """The warp's S steps: rows g (words wv[8 s + q], scales sv[2 s]) and g + 8 (wv[8 s + 4 +
+        q], sv[2 s + 1]) against the B fragments of steps st0 .. st0 + S - 1."""
+        lane = uint32(cuda.threadIdx.x) & uint32(31)
+        sel = ((((lane >> _S2) & uint32(1)) << _S2) | (lane & uint32(3))) << _S2
+        c0 = float32(0.0)
+        c1 = float32(0.0)
+        c2 = float32(0.0)
+        c3 = float32(0.0)
+        for s in range(S):
+            ga, gb = _scales(sv[2 * s])
+            ua, ub = _scales(sv[2 * s + 1])
+            for q in range(4):
+                base = (uint32(st0 + s) * uint32(4) + uint32(q)) * uint32(32) + sel
+                p0, p1, p2, p3 = _pairs(wv[8 * s + q], ga if q < 2 else gb)
+                r0, r1, r2, r3 = _pairs(wv[8 * s + 4 + q], ua if q < 2 else ub)
+                c0, c1, c2, c3 = _mma(mx, p0, r0, p1, r1, bsh[base], bsh[base + 1],
+                                      c0, c1, c2, c3)
+                c0, c1, c2, c3 = _mma(mx, p2, r2, p3, r3, bsh[base + 2], bsh[base + 3],
+                                      c0, c1, c2, c3)
+        return c0 + c1, c2 + c3
+
+    @cuda.jit
+    def gate_up(bank32, bank16, bankf, slots, x, act, gq, gsc, uq, usc, H, I, Hs):
+        """x float32 [H] -> act float32 [K, I]; grid K * cdiv(I, 8), warps * S * 128 >= Hs,
+        dynamic shared warps * S * 512 bytes. The layout comes as scalars (byte offsets of the
+        gate / up values and scales): no load stands between the slot and the weights."""
+        bsh = cuda.shared.array(0, uint32)
+        part = cuda.shared.array((MAX_WARPS, 16), float32)
+        red = cuda.shared.array(RED, float32)
+        wred = cuda.shared.array(MAX_WARPS, float32)
+        mx = cuda.shared.array((MXW, WARP, 6), uint32)
+        tid = int32(cuda.threadIdx.x)
+        nt = int32(cuda.blockDim.x)
+        wp = tid >> 5
+        g = (tid & 31) >> 2
+        t = tid & 3
+        nst = Hs >> 7
+        nrg = (I + int32(7)) >> 3
+        k = int32(cuda.blockIdx.x) // nrg
+        r0 = (int32(cuda.blockIdx.x) - k * nrg) << 3
+        r = min(r0 + g, I - int32(1))
+        slot = slots[k]
+        ga = (gq + r * (Hs >> 1) + t * int32(16)) >> 2     # uint32 index, step 0
+        ua = (uq + r * (Hs >> 1) + t * int32(16)) >> 2
+        gs = (gsc + r * (Hs >> 4) + t * int32(2)) >> 1     # uint16 index
+        us = (usc + r * (Hs >> 4) + t * int32(2)) >> 1
+        wv = cuda.local.array(NW8, uint32)
+        sv = cuda.local.array(NS2, uint32)
+        for s in range(S):                    # every weight load first
+            st = min(wp * int32(S) + int32(s), nst - int32(1))
+            wv[8 * s], wv[8 * s + 1], wv[8 * s + 2], wv[8 * s + 3] = _ld4(bank32, slot, ga + st * 16)
+            wv[8 * s + 4], wv[8 * s + 5], wv[8 * s + 6], wv[8 * s + 7] = \
+                _ld4(bank32, slot, ua + st * 16)
+            sv[2 * s] = uint32(bank16[slot, uint32(gs + st * 4)])   # unsigned: no wraparound
+            sv[2 * s + 1] = uint32(bank16[slot, uint32(us + st * 4)])
+        am = float32(0.0)
+        for e in range(tid, H, nt):
+            am = max(am, abs(x[e]))
+        c, inv = _input_scale(block_max(am, red, wred))
+        units = (nt >> 5) * int32(S * 16)     # (step, word, t) units, masked steps included
+        for u in range(tid, units, nt):
+            st = u >> 4
+            q = (u >> 2) & 3
+            tt = u & 3
+            e0 = st * int32(STEP) + tt * int32(32) + q * int32(8)
+            v = cuda.local.array(8, float32)
+            for j in range(8):
+                v[j] = x[min(e0 + j, H - 1)] * c if e0 + j < H else float32(0.0)
+            _store_unit(bsh, ((st * 4 + q) * 8 + tt) * 4, v[0], v[1], v[2], v[3], v[4], v[5],
+                        v[6], v[7])
+        cuda.syncthreads()
+        dg, du = steps(mx, bsh, wv, sv, wp * int32(S))
+        if t == 0:
+            part[wp, g] = dg
+            part[wp, 8 + g] = du
+        cuda.syncthreads()
+        rr = r0 + tid
+        if tid < 8 and rr < I:
+            sg = float32(0.0)
+            su = float32(0.0)
+            for w in range(nt >> 5):
+                sg += part[w, tid]
+                su += part[w, 8 + tid]
+            f = inv * float32(128.0)
+            act[k, rr] = silu(sg * f * bankf[slot, 0]) * (su * f * bankf[slot, 1])
+
+    @cuda.jit
+    def down(bank32, bank16, bankf, slots, weights, act, out, accumulate, dq, dsc, H, I, Is):
+        """act float32 [K, I] -> out float32 [H] (+= when accumulate); grid cdiv(H, 16),
+        warps * S * 128 >= K * Is, dynamic shared warps * S * 512 bytes."""
+        bsh = cuda.shared.array(0, uint32)
+        part = cuda.shared.array((MAX_WARPS, 16), float32)
+        red = cuda.shared.array(RED, float32)
+        wred = cuda.shared.array(MAX_WARPS, float32)
+        mx = cuda.shared.array((MXW, WARP, 6), uint32)
+        tid = int32(cuda.threadIdx.x)
+        nt = int32(cuda.blockDim.x)
+        wp = tid >> 5
+        g = (tid & 31) >> 2
+        t = tid & 3
+        K = int32(slots.shape[0])
+        nsi = Is >> 7                          # steps an expert
+        nst = K * nsi
+        r0 = int32(cuda.blockIdx.x) << 4
+        ra = min(r0 + g, H - int32(1))
+        rb = min(r0 + int32(8) + g, H - int32(1))
+        da = (dq + ra * (Is >> 1) + t * int32(16)) >> 2
+        db = (dq + rb * (Is >> 1) + t * int32(16)) >> 2
+        sa = (dsc + ra * (Is >> 4) + t * int32(2)) >> 1
+        sb = (dsc + rb * (Is >> 4) + t * int32(2)) >> 1
+        wv = cuda.local.array(NW8, uint32)
+        sv = cuda.local.array(NS2, uint32)
+        for s in range(S):
+            st = min(wp * int32(S) + int32(s), nst - int32(1))
+            ke = st // nsi
+            ls = st - ke * nsi
+            slot = slots[ke]
+            wv[8 * s], wv[8 * s + 1], wv[8 * s + 2], wv[8 * s + 3] = _ld4(bank32, slot, da + ls * 16)
+            wv[8 * s + 4], wv[8 * s + 5], wv[8 * s + 6], wv[8 * s + 7] = \
+                _ld4(bank32, slot, db + ls * 16)
+            sv[2 * s] = uint32(bank16[slot, uint32(sa + ls * 4)])
+            sv[2 * s + 1] = uint32(bank16[slot, uint32(sb + ls * 4)])
+        am = float32(0.0)
+        for ke in range(K):
+            f = abs(weights[ke] * bankf[slots[ke], 2])
+            for i in range(tid, I, nt):
+                am = max(am, abs(act[ke, i]) * f)
+        c, inv = _input_scale(block_max(am, red, wred))
+        units = (nt >> 5) * int32(S * 16)
+        for u in range(tid, units, nt):
+            st = u >> 4
+            q = (u >> 2) & 3
+            tt = u & 3
+            ke = min(st // nsi, K - int32(1))
+            i0 = (st - ke * nsi) * int32(STEP) + tt * int32(32) + q * int32(8)
+            f = weights[ke] * bankf[slots[ke], 2] * c
+            ok = st < nst
+            v = cuda.local.array(8, float32)
+            for j in range(8):
+                v[j] = act[ke, min(i0 + j, I - 1)] * f if ok and i0 + j < I else float32(0.0)
+            _store_unit(bsh, ((st * 4 + q) * 8 + tt) * 4, v[0], v[1], v[2], v[3], v[4], v[5],
+                        v[6], v[7])
+        cuda.syncthreads()
+        da_, db_ = steps(mx, bsh, wv, sv, wp * int32(S))
+        if t == 0:
+            part[wp, g] = da_
+            part[wp, 8 + g] = db_
+        cuda.syncthreads()
+        rr = r0 + tid
+        if tid < 16 and rr < H:
+            o = float32(0.0)
+            for w in range(nt >> 5):
+                o += part[w, tid]
+            out[rr] = o * inv * float32(128.0) + (out[rr] if accumulate else float32(0.0))
+
+    return gate_up, down
+
+
+_KERNELS = {}
+
+
+def kernels(s: int):
+    if s not in _KERNELS:
+        _KERNELS[s] = _make(s)
+    return _KERNELS[s]
+
+
+def _views(b8):
+    """uint32 / uint16 views of the uint8 bank [S, B] (B a multiple of 16)."""
+    return b8.view(np.uint32), b8.view(np.uint16)
+
+
+def _shape(lay_host, k, sg, sd):
+    """(gate_up warps, down warps), or None when these kernels cannot run the layout."""
+    hs, is_ = int(lay_host[8]), int(lay_host[9])
+    if hs % STEP or is_ % STEP or any(int(o) % 16 for o in lay_host[:6]):
+        return None
+    wg = cdiv(hs // STEP, sg)
+    wd = cdiv(k * is_ // STEP, sd)
+    if max(wg, wd) > MAX_WARPS or max(wg * sg, wd * sd) * STEP_U32 * 4 > SHARED_LIMIT:
+        return None
+    return wg, wd
+
+
+def supported(lay_host, k: int, cfg, row_bytes: int) -> bool:
+    return row_bytes % 16 == 0 and _shape(lay_host, k, cfg[1], cfg[3]) is not None
+
+
+def gate_up(cfg, views, lay, lay_host, slots, x, act, stream):
+    """cfg = ("mma", SG, 0, SD, 0)."""
+    _, b8, bf = views
+    b32, b16 = _views(b8)
+    sg = cfg[1]
+    wg, _ = _shape(lay_host, slots.shape[0], sg, cfg[3])
+    grid = slots.shape[0] * cdiv(int(lay_host[7]), 8)
+    L = [int32(v) for v in lay_host]
+    kernels(sg)[0][grid, wg * WARP, stream, wg * sg * STEP_U32 * 4](
+        b32, b16, bf, slots, x, act, L[0], L[1], L[2], L[3], L[6], L[7], L[8])
+
+
+def down(cfg, views, lay, lay_host, slots, weights, act, out, stream, accumulate):
+    _, b8, bf = views
+    b32, b16 = _views(b8)
+    sd = cfg[3]
+    _, wd = _shape(lay_host, slots.shape[0], cfg[1], sd)
+    L = [int32(v) for v in lay_host]
+    kernels(sd)[1][cdiv(int(lay_host[6]), 16), wd * WARP, stream, wd * sd * STEP_U32 * 4](
+        b32, b16, bf, slots, weights, act, out, int32(1 if accumulate else 0), L[4], L[5], L[6],
+        L[7], L[9])
