@@ -1804,7 +1804,7 @@ SWEEP = {   # what tools/sweep_experts.py times
               "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1",
               "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
               "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2", "lut-g32-d16",
-              "lut-g16-d16", "mma-g4-d2", "mma-g4-d4", "mma-g8-d2", "mma-g2-d2", "mma-g8-d4"],
+              "lut-g16-d16", "mma-g4-d2", "mma-g4-d4", "mma-g2-d2"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],

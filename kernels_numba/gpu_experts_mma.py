@@ -231,6 +231,24 @@ def _make(S: int):
     """(gate_up, down) with S steps (S * 128 columns) a warp."""
     NW8 = 8 * S                   # weight words a lane holds: 2 rows x 4 words a step
     NS2 = 2 * S
+    UPT = cdiv(S, 2)              # (step, word, t) units of B a thread fills: 16 S a warp
+    NV = 8 * UPT
+
+    @cuda.jit(device=True, inline=True)
+    def fill(bsh, v, c, units):
+        """The thread's units' values v (input times its factor) times c, as hi / lo f16 pairs
+        into the B fragments; then a barrier."""
+        tid = int32(cuda.threadIdx.x)
+        for i in range(UPT):
+            u = tid + int32(i) * int32(cuda.blockDim.x)
+            if u < units:
+                st = u >> 4
+                q = (u >> 2) & 3
+                _store_unit(bsh, ((st * 4 + q) * 8 + (u & 3)) * 4, v[8 * i] * c,
+                            v[8 * i + 1] * c, v[8 * i + 2] * c, v[8 * i + 3] * c,
+                            v[8 * i + 4] * c, v[8 * i + 5] * c, v[8 * i + 6] * c,
+                            v[8 * i + 7] * c)
+        cuda.syncthreads()
 
     @cuda.jit(device=True, inline=True)
     def steps(mx, bsh, wv, sv, st0):
@@ -280,6 +298,7 @@ def _make(S: int):
         ua = (uq + r * (Hs >> 1) + t * int32(16)) >> 2
         gs = (gsc + r * (Hs >> 4) + t * int32(2)) >> 1     # uint16 index
         us = (usc + r * (Hs >> 4) + t * int32(2)) >> 1
+        units = (nt >> 5) * int32(S * 16)     # (step, word, t) units, masked steps included
         wv = cuda.local.array(NW8, uint32)
         sv = cuda.local.array(NS2, uint32)
         for s in range(S):                    # every weight load first
@@ -289,22 +308,19 @@ def _make(S: int):
                 _ld4(bank32, slot, ua + st * 16)
             sv[2 * s] = uint32(bank16[slot, uint32(gs + st * 4)])   # unsigned: no wraparound
             sv[2 * s + 1] = uint32(bank16[slot, uint32(us + st * 4)])
+        v = cuda.local.array(NV, float32)    # this thread's units of x, all loads at once
         am = float32(0.0)
-        for e in range(tid, H, nt):
-            am = max(am, abs(x[e]))
-        c, inv = _input_scale(block_max(am, red, wred))
-        units = (nt >> 5) * int32(S * 16)     # (step, word, t) units, masked steps included
-        for u in range(tid, units, nt):
-            st = u >> 4
-            q = (u >> 2) & 3
-            tt = u & 3
-            e0 = st * int32(STEP) + tt * int32(32) + q * int32(8)
-            v = cuda.local.array(8, float32)
+        for i in range(UPT):
+            u = tid + int32(i) * nt
+            e0 = (u >> 4) * int32(STEP) + (u & 3) * int32(32) + ((u >> 2) & 3) * int32(8)
             for j in range(8):
-                v[j] = x[min(e0 + j, H - 1)] * c if e0 + j < H else float32(0.0)
-            _store_unit(bsh, ((st * 4 + q) * 8 + tt) * 4, v[0], v[1], v[2], v[3], v[4], v[5],
-                        v[6], v[7])
-        cuda.syncthreads()
+                e = e0 + int32(j)
+                a = x[uint32(min(e, H - int32(1)))]
+                a = a if e < H and u < units else float32(0.0)
+                v[8 * i + j] = a
+                am = max(am, abs(a))
+        c, inv = _input_scale(block_max(am, red, wred))
+        fill(bsh, v, c, units)
         dg, du = steps(mx, bsh, wv, sv, wp * int32(S))
         if t == 0:
             part[wp, g] = dg
@@ -344,6 +360,7 @@ def _make(S: int):
         db = (dq + rb * (Is >> 1) + t * int32(16)) >> 2
         sa = (dsc + ra * (Is >> 4) + t * int32(2)) >> 1
         sb = (dsc + rb * (Is >> 4) + t * int32(2)) >> 1
+        units = (nt >> 5) * int32(S * 16)
         wv = cuda.local.array(NW8, uint32)
         sv = cuda.local.array(NS2, uint32)
         for s in range(S):
@@ -356,27 +373,22 @@ def _make(S: int):
                 _ld4(bank32, slot, db + ls * 16)
             sv[2 * s] = uint32(bank16[slot, uint32(sa + ls * 4)])
             sv[2 * s + 1] = uint32(bank16[slot, uint32(sb + ls * 4)])
+        v = cuda.local.array(NV, float32)
         am = float32(0.0)
-        for ke in range(K):
-            f = abs(weights[ke] * bankf[slots[ke], 2])
-            for i in range(tid, I, nt):
-                am = max(am, abs(act[ke, i]) * f)
-        c, inv = _input_scale(block_max(am, red, wred))
-        units = (nt >> 5) * int32(S * 16)
-        for u in range(tid, units, nt):
+        for i in range(UPT):
+            u = tid + int32(i) * nt
             st = u >> 4
-            q = (u >> 2) & 3
-            tt = u & 3
             ke = min(st // nsi, K - int32(1))
-            i0 = (st - ke * nsi) * int32(STEP) + tt * int32(32) + q * int32(8)
-            f = weights[ke] * bankf[slots[ke], 2] * c
-            ok = st < nst
-            v = cuda.local.array(8, float32)
+            i0 = (st - ke * nsi) * int32(STEP) + (u & 3) * int32(32) + ((u >> 2) & 3) * int32(8)
+            f = weights[ke] * bankf[slots[ke], 2]
             for j in range(8):
-                v[j] = act[ke, min(i0 + j, I - 1)] * f if ok and i0 + j < I else float32(0.0)
-            _store_unit(bsh, ((st * 4 + q) * 8 + tt) * 4, v[0], v[1], v[2], v[3], v[4], v[5],
-                        v[6], v[7])
-        cuda.syncthreads()
+                e = i0 + int32(j)
+                a = act[ke, uint32(min(e, I - int32(1)))] * f
+                a = a if e < I and st < nst and u < units else float32(0.0)
+                v[8 * i + j] = a
+                am = max(am, abs(a))
+        c, inv = _input_scale(block_max(am, red, wred))
+        fill(bsh, v, c, units)
         da_, db_ = steps(mx, bsh, wv, sv, wp * int32(S))
         if t == 0:
             part[wp, g] = da_
