@@ -32,7 +32,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .gpu_util import SIM, WARP, block_max, cdiv, float_as_uint, int_as_float, silu
+from .gpu_util import (SIM, WARP, cdiv, float_as_uint, int_as_float, silu, warp_max,
+                        warp_sync)
 
 STEP = 128                        # columns a warp's step covers (64 bytes a row, 16 a lane)
 STEP_U32 = 128                    # shared uint32 of B fragments a step (4 words x 2 x 4 x 4)
@@ -60,6 +61,8 @@ if SIM:
     def _ld4(a, i, j):
         """a[i, j:j + 4] of a uint32 array (one 16-byte ld.global.nc on the GPU)."""
         return uint32(a[i, j]), uint32(a[i, j + 1]), uint32(a[i, j + 2]), uint32(a[i, j + 3])
+
+    _LD4 = [_ld4] * 4
 
     @cuda.jit(device=True)
     def _hmul2(a, b):
@@ -114,26 +117,33 @@ else:
         return [context.cast(builder, v, t, types.uint32)
                 for v, t in zip(args[lo:hi], sig.args[lo:hi])]
 
-    @intrinsic
-    def _ld4(typingctx, a, i, j):
-        """a[i, j:j + 4] of a 2-D uint32 array, one ld.global.nc.v4 (16-byte aligned address).
-        An asm with side effects, so the loads are issued where the source puts them: before
-        the block builds its fragments."""
-        if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.uint32):
-            return None
-        sig = types.UniTuple(types.uint32, 4)(a, i, j)
+    def _make_ld4(hint):
+        @intrinsic
+        def ld4(typingctx, a, i, j):
+            """a[i, j:j + 4] of a 2-D uint32 array, one ld.global.nc.v4 (16-byte aligned
+            address). An asm with side effects, so the loads are issued where the source puts
+            them."""
+            if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.uint32):
+                return None
+            sig = types.UniTuple(types.uint32, 4)(a, i, j)
 
-        def codegen(context, builder, sig, args):
-            arr = context.make_array(sig.args[0])(context, builder, value=args[0])
-            idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
-            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], arr, idx)
-            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
-            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0,$1,$2,$3}, [$4];",
-                               "=r,=r,=r,=r,l", side_effect=True)
-            res = builder.call(asm, [ptr])
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(res, x) for x in range(4)])
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                arr = context.make_array(sig.args[0])(context, builder, value=args[0])
+                idx = [context.cast(builder, v, t, types.intp)
+                       for v, t in zip(args[1:], sig.args[1:])]
+                ptr = cgutils.get_item_pointer(context, builder, sig.args[0], arr, idx)
+                fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
+                asm = ir.InlineAsm(fnty, f"ld.global.nc{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4];",
+                                   "=r,=r,=r,=r,l", side_effect=True)
+                res = builder.call(asm, [ptr])
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(res, x) for x in range(4)])
+            return sig, codegen
+        return ld4
+
+    # cache hints of the weight loads (variant "-p<P>"): none, 128 / 256-byte L2 prefetch,
+    # and no L1 allocation with the 256-byte prefetch (the weights are read once)
+    _LD4 = [_make_ld4(h) for h in ("", ".L2::128B", ".L2::256B", ".L1::no_allocate.L2::256B")]
 
     @intrinsic
     def _hmul2(typingctx, a, b):
@@ -201,6 +211,14 @@ def _pairs(w, sc):
 
 
 @cuda.jit(device=True, inline=True)
+def _absmax(v, n):
+    m = float32(0.0)
+    for i in range(n):
+        m = max(m, abs(v[i]))
+    return m
+
+
+@cuda.jit(device=True, inline=True)
 def _input_scale(amax):
     """c = 2^(13 - floor(log2 amax)) (|x c| < 2^14), clamped to normal floats; and 1 / c."""
     eb = int32((float_as_uint(amax) >> _S16) >> _S7) & int32(0xFF)
@@ -227,40 +245,74 @@ def _store_unit(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
     bsh[base + 19] = l3
 
 
-def _make(S: int):
-    """(gate_up, down) with S steps (S * 128 columns) a warp."""
+def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
+    """(gate_up, down) with S steps (S * 128 columns) a warp, the loads of LA steps in flight
+    ahead of the one multiplied (LA = S: every load issued first), weight loads with cache
+    hints P (see _LD4). MODE (diagnostics for the sweep, wrong results): 1 = no input loads
+    (x = 1), 2 = no decode or mma (the words XORed into the sums)."""
     NW8 = 8 * S                   # weight words a lane holds: 2 rows x 4 words a step
     NS2 = 2 * S
-    UPT = cdiv(S, 2)              # (step, word, t) units of B a thread fills: 16 S a warp
+    UPT = cdiv(S, 2)              # (step, word, t) units of B a lane fills: 16 S a warp
     NV = 8 * UPT
+    ld4 = _LD4[P]
 
     @cuda.jit(device=True, inline=True)
-    def fill(bsh, v, c, units):
-        """The thread's units' values v (input times its factor) times c, as hi / lo f16 pairs
-        into the B fragments; then a barrier."""
+    def load(bank32, bank16, slots, slot0, wv, sv, s, wp, nst, nsi, a0, a1, s0, s1, down):
+        """Step s of the warp (clamped to the last real step) into wv[8 s:8 s + 8], sv[2 s:2 s + 2]:
+        16 bytes of rows g and g + 8 (uint32 offsets a0, a1 at step 0) and their two scale pairs
+        (uint16 offsets s0, s1); down: steps run over the experts side by side, nsi an expert."""
+        st = min(wp * int32(S) + int32(s), nst - int32(1))
+        slot = slot0
+        if down:
+            ke = st // nsi
+            st = st - ke * nsi
+            slot = slots[ke]
+        wv[8 * s], wv[8 * s + 1], wv[8 * s + 2], wv[8 * s + 3] = ld4(bank32, slot, a0 + st * 16)
+        wv[8 * s + 4], wv[8 * s + 5], wv[8 * s + 6], wv[8 * s + 7] = ld4(bank32, slot, a1 + st * 16)
+        sv[2 * s] = uint32(bank16[slot, uint32(s0 + st * 4)])     # unsigned: no wraparound
+        sv[2 * s + 1] = uint32(bank16[slot, uint32(s1 + st * 4)])
+
+    @cuda.jit(device=True, inline=True)
+    def fill(bsh, v, red):
+        """The lane's units' values v (input times its factor) as hi / lo f16 pairs into the
+        warp's own B fragments, scaled by the warp's c; returns 1 / c. Warp-wide: no block
+        barrier (a warp reads only the steps it fills)."""
+        c, inv = _input_scale(warp_max(_absmax(v, NV), red))
         tid = int32(cuda.threadIdx.x)
+        st0 = (tid >> 5) * int32(S)
         for i in range(UPT):
-            u = tid + int32(i) * int32(cuda.blockDim.x)
-            if u < units:
-                st = u >> 4
-                q = (u >> 2) & 3
-                _store_unit(bsh, ((st * 4 + q) * 8 + (u & 3)) * 4, v[8 * i] * c,
-                            v[8 * i + 1] * c, v[8 * i + 2] * c, v[8 * i + 3] * c,
+            u = (tid & 31) + int32(32 * i)
+            q = (u >> 2) & 3
+            if u < int32(16 * S):             # 16 S units a warp (S odd: lanes left over)
+                _store_unit(bsh, (((st0 + (u >> 4)) * 4 + q) * 8 + (u & 3)) * 4,
+                            v[8 * i] * c, v[8 * i + 1] * c, v[8 * i + 2] * c, v[8 * i + 3] * c,
                             v[8 * i + 4] * c, v[8 * i + 5] * c, v[8 * i + 6] * c,
                             v[8 * i + 7] * c)
-        cuda.syncthreads()
+        warp_sync()
+        return inv
 
     @cuda.jit(device=True, inline=True)
-    def steps(mx, bsh, wv, sv, st0):
+    def steps(mx, bsh, wv, sv, bank32, bank16, slots, slot0, wp, nst, nsi, a0, a1, s0, s1, down):
         """The warp's S steps: rows g (words wv[8 s + q], scales sv[2 s]) and g + 8 (wv[8 s + 4 +
-        q], sv[2 s + 1]) against the B fragments of steps st0 .. st0 + S - 1."""
+        q], sv[2 s + 1]) against the B fragments of steps wp S .. wp S + S - 1; steps LA .. S - 1
+        are loaded here, LA steps ahead of the one multiplied."""
         lane = uint32(cuda.threadIdx.x) & uint32(31)
         sel = ((((lane >> _S2) & uint32(1)) << _S2) | (lane & uint32(3))) << _S2
+        st0 = wp * int32(S)
         c0 = float32(0.0)
         c1 = float32(0.0)
         c2 = float32(0.0)
         c3 = float32(0.0)
         for s in range(S):
+            if s + LA < S:
+                load(bank32, bank16, slots, slot0, wv, sv, s + LA, wp, nst, nsi, a0, a1, s0, s1,
+                     down)
+            if MODE == 2:
+                x_ = sv[2 * s] ^ sv[2 * s + 1]
+                for q in range(8):
+                    x_ ^= wv[8 * s + q]
+                c0 += float32(x_ & uint32(255))
+                continue
             ga, gb = _scales(sv[2 * s])
             ua, ub = _scales(sv[2 * s + 1])
             for q in range(4):
@@ -281,7 +333,6 @@ def _make(S: int):
         bsh = cuda.shared.array(0, uint32)
         part = cuda.shared.array((MAX_WARPS, 16), float32)
         red = cuda.shared.array(RED, float32)
-        wred = cuda.shared.array(MAX_WARPS, float32)
         mx = cuda.shared.array((MXW, WARP, 6), uint32)
         tid = int32(cuda.threadIdx.x)
         nt = int32(cuda.blockDim.x)
@@ -293,38 +344,30 @@ def _make(S: int):
         k = int32(cuda.blockIdx.x) // nrg
         r0 = (int32(cuda.blockIdx.x) - k * nrg) << 3
         r = min(r0 + g, I - int32(1))
+        v = cuda.local.array(NV, float32)    # the lane's units of x: L2 hits, asked for first
+        for i in range(UPT):
+            u = (tid & 31) + int32(32 * i)
+            e0 = (wp * int32(S) + (u >> 4)) * int32(STEP) + (u & 3) * int32(32) + \
+                ((u >> 2) & 3) * int32(8)
+            for j in range(8):
+                e = e0 + int32(j)
+                a = x[uint32(min(e, H - int32(1)))] if MODE != 1 else float32(1.0)
+                v[8 * i + j] = a if e < H else float32(0.0)
         slot = slots[k]
         ga = (gq + r * (Hs >> 1) + t * int32(16)) >> 2     # uint32 index, step 0
         ua = (uq + r * (Hs >> 1) + t * int32(16)) >> 2
         gs = (gsc + r * (Hs >> 4) + t * int32(2)) >> 1     # uint16 index
         us = (usc + r * (Hs >> 4) + t * int32(2)) >> 1
-        units = (nt >> 5) * int32(S * 16)     # (step, word, t) units, masked steps included
         wv = cuda.local.array(NW8, uint32)
         sv = cuda.local.array(NS2, uint32)
-        for s in range(S):                    # every weight load first
-            st = min(wp * int32(S) + int32(s), nst - int32(1))
-            wv[8 * s], wv[8 * s + 1], wv[8 * s + 2], wv[8 * s + 3] = _ld4(bank32, slot, ga + st * 16)
-            wv[8 * s + 4], wv[8 * s + 5], wv[8 * s + 6], wv[8 * s + 7] = \
-                _ld4(bank32, slot, ua + st * 16)
-            sv[2 * s] = uint32(bank16[slot, uint32(gs + st * 4)])   # unsigned: no wraparound
-            sv[2 * s + 1] = uint32(bank16[slot, uint32(us + st * 4)])
-        v = cuda.local.array(NV, float32)    # this thread's units of x, all loads at once
-        am = float32(0.0)
-        for i in range(UPT):
-            u = tid + int32(i) * nt
-            e0 = (u >> 4) * int32(STEP) + (u & 3) * int32(32) + ((u >> 2) & 3) * int32(8)
-            for j in range(8):
-                e = e0 + int32(j)
-                a = x[uint32(min(e, H - int32(1)))]
-                a = a if e < H and u < units else float32(0.0)
-                v[8 * i + j] = a
-                am = max(am, abs(a))
-        c, inv = _input_scale(block_max(am, red, wred))
-        fill(bsh, v, c, units)
-        dg, du = steps(mx, bsh, wv, sv, wp * int32(S))
+        for s in range(LA):                   # the first LA steps' weights
+            load(bank32, bank16, slots, slot, wv, sv, s, wp, nst, int32(1), ga, ua, gs, us, False)
+        inv = fill(bsh, v, red)
+        dg, du = steps(mx, bsh, wv, sv, bank32, bank16, slots, slot, wp, nst, int32(1), ga, ua,
+                       gs, us, False)
         if t == 0:
-            part[wp, g] = dg
-            part[wp, 8 + g] = du
+            part[wp, g] = dg * inv
+            part[wp, 8 + g] = du * inv
         cuda.syncthreads()
         rr = r0 + tid
         if tid < 8 and rr < I:
@@ -333,8 +376,8 @@ def _make(S: int):
             for w in range(nt >> 5):
                 sg += part[w, tid]
                 su += part[w, 8 + tid]
-            f = inv * float32(128.0)
-            act[k, rr] = silu(sg * f * bankf[slot, 0]) * (su * f * bankf[slot, 1])
+            act[k, rr] = silu(sg * float32(128.0) * bankf[slot, 0]) * \
+                (su * float32(128.0) * bankf[slot, 1])
 
     @cuda.jit
     def down(bank32, bank16, bankf, slots, weights, act, out, accumulate, dq, dsc, H, I, Is):
@@ -343,7 +386,6 @@ def _make(S: int):
         bsh = cuda.shared.array(0, uint32)
         part = cuda.shared.array((MAX_WARPS, 16), float32)
         red = cuda.shared.array(RED, float32)
-        wred = cuda.shared.array(MAX_WARPS, float32)
         mx = cuda.shared.array((MXW, WARP, 6), uint32)
         tid = int32(cuda.threadIdx.x)
         nt = int32(cuda.blockDim.x)
@@ -354,52 +396,40 @@ def _make(S: int):
         nsi = Is >> 7                          # steps an expert
         nst = K * nsi
         r0 = int32(cuda.blockIdx.x) << 4
+        v = cuda.local.array(NV, float32)
+        for i in range(UPT):
+            u = (tid & 31) + int32(32 * i)
+            st = wp * int32(S) + (u >> 4)
+            ke = min(st // nsi, K - int32(1))
+            i0 = (st - ke * nsi) * int32(STEP) + (u & 3) * int32(32) + ((u >> 2) & 3) * int32(8)
+            f = weights[ke] * bankf[slots[ke], 2] if MODE != 1 else float32(1.0)
+            for j in range(8):
+                e = i0 + int32(j)
+                a = act[ke, uint32(min(e, I - int32(1)))] * f if MODE != 1 else float32(1.0)
+                v[8 * i + j] = a if e < I and st < nst else float32(0.0)
         ra = min(r0 + g, H - int32(1))
         rb = min(r0 + int32(8) + g, H - int32(1))
         da = (dq + ra * (Is >> 1) + t * int32(16)) >> 2
         db = (dq + rb * (Is >> 1) + t * int32(16)) >> 2
         sa = (dsc + ra * (Is >> 4) + t * int32(2)) >> 1
         sb = (dsc + rb * (Is >> 4) + t * int32(2)) >> 1
-        units = (nt >> 5) * int32(S * 16)
         wv = cuda.local.array(NW8, uint32)
         sv = cuda.local.array(NS2, uint32)
-        for s in range(S):
-            st = min(wp * int32(S) + int32(s), nst - int32(1))
-            ke = st // nsi
-            ls = st - ke * nsi
-            slot = slots[ke]
-            wv[8 * s], wv[8 * s + 1], wv[8 * s + 2], wv[8 * s + 3] = _ld4(bank32, slot, da + ls * 16)
-            wv[8 * s + 4], wv[8 * s + 5], wv[8 * s + 6], wv[8 * s + 7] = \
-                _ld4(bank32, slot, db + ls * 16)
-            sv[2 * s] = uint32(bank16[slot, uint32(sa + ls * 4)])
-            sv[2 * s + 1] = uint32(bank16[slot, uint32(sb + ls * 4)])
-        v = cuda.local.array(NV, float32)
-        am = float32(0.0)
-        for i in range(UPT):
-            u = tid + int32(i) * nt
-            st = u >> 4
-            ke = min(st // nsi, K - int32(1))
-            i0 = (st - ke * nsi) * int32(STEP) + (u & 3) * int32(32) + ((u >> 2) & 3) * int32(8)
-            f = weights[ke] * bankf[slots[ke], 2]
-            for j in range(8):
-                e = i0 + int32(j)
-                a = act[ke, uint32(min(e, I - int32(1)))] * f
-                a = a if e < I and st < nst and u < units else float32(0.0)
-                v[8 * i + j] = a
-                am = max(am, abs(a))
-        c, inv = _input_scale(block_max(am, red, wred))
-        fill(bsh, v, c, units)
-        da_, db_ = steps(mx, bsh, wv, sv, wp * int32(S))
+        for s in range(LA):
+            load(bank32, bank16, slots, int32(0), wv, sv, s, wp, nst, nsi, da, db, sa, sb, True)
+        inv = fill(bsh, v, red)
+        d0, d1 = steps(mx, bsh, wv, sv, bank32, bank16, slots, int32(0), wp, nst, nsi, da, db,
+                       sa, sb, True)
         if t == 0:
-            part[wp, g] = da_
-            part[wp, 8 + g] = db_
+            part[wp, g] = d0 * inv
+            part[wp, 8 + g] = d1 * inv
         cuda.syncthreads()
         rr = r0 + tid
         if tid < 16 and rr < H:
             o = float32(0.0)
             for w in range(nt >> 5):
                 o += part[w, tid]
-            out[rr] = o * inv * float32(128.0) + (out[rr] if accumulate else float32(0.0))
+            out[rr] = o * float32(128.0) + (out[rr] if accumulate else float32(0.0))
 
     return gate_up, down
 
@@ -407,10 +437,11 @@ def _make(S: int):
 _KERNELS = {}
 
 
-def kernels(s: int):
-    if s not in _KERNELS:
-        _KERNELS[s] = _make(s)
-    return _KERNELS[s]
+def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0):
+    key = (s, min(la or s, s), mode, p)
+    if key not in _KERNELS:
+        _KERNELS[key] = _make(*key)
+    return _KERNELS[key]
 
 
 def _views(b8):
@@ -435,14 +466,14 @@ def supported(lay_host, k: int, cfg, row_bytes: int) -> bool:
 
 
 def gate_up(cfg, views, lay, lay_host, slots, x, act, stream):
-    """cfg = ("mma", SG, 0, SD, 0)."""
+    """cfg = ("mma", SG, (LA, MODE, P), SD, 0) (LA 0: every load first)."""
     _, b8, bf = views
     b32, b16 = _views(b8)
     sg = cfg[1]
     wg, _ = _shape(lay_host, slots.shape[0], sg, cfg[3])
     grid = slots.shape[0] * cdiv(int(lay_host[7]), 8)
     L = [int32(v) for v in lay_host]
-    kernels(sg)[0][grid, wg * WARP, stream, wg * sg * STEP_U32 * 4](
+    kernels(sg, *cfg[2])[0][grid, wg * WARP, stream, wg * sg * STEP_U32 * 4](
         b32, b16, bf, slots, x, act, L[0], L[1], L[2], L[3], L[6], L[7], L[8])
 
 
@@ -452,6 +483,6 @@ def down(cfg, views, lay, lay_host, slots, weights, act, out, stream, accumulate
     sd = cfg[3]
     _, wd = _shape(lay_host, slots.shape[0], cfg[1], sd)
     L = [int32(v) for v in lay_host]
-    kernels(sd)[1][cdiv(int(lay_host[6]), 16), wd * WARP, stream, wd * sd * STEP_U32 * 4](
+    kernels(sd, *cfg[2])[1][cdiv(int(lay_host[6]), 16), wd * WARP, stream, wd * sd * STEP_U32 * 4](
         b32, b16, bf, slots, weights, act, out, int32(1 if accumulate else 0), L[4], L[5], L[6],
         L[7], L[9])
