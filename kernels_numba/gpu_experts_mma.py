@@ -62,7 +62,7 @@ if SIM:
         """a[i, j:j + 4] of a uint32 array (one 16-byte ld.global.nc on the GPU)."""
         return uint32(a[i, j]), uint32(a[i, j + 1]), uint32(a[i, j + 2]), uint32(a[i, j + 3])
 
-    _LD4 = [_ld4] * 4
+    _LD4 = [_ld4] * 6
 
     @cuda.jit(device=True)
     def _hmul2(a, b):
@@ -133,7 +133,7 @@ else:
                        for v, t in zip(args[1:], sig.args[1:])]
                 ptr = cgutils.get_item_pointer(context, builder, sig.args[0], arr, idx)
                 fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
-                asm = ir.InlineAsm(fnty, f"ld.global.nc{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4];",
+                asm = ir.InlineAsm(fnty, f"ld.global{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4];",
                                    "=r,=r,=r,=r,l", side_effect=True)
                 res = builder.call(asm, [ptr])
                 return context.make_tuple(builder, sig.return_type,
@@ -141,9 +141,12 @@ else:
             return sig, codegen
         return ld4
 
-    # cache hints of the weight loads (variant "-p<P>"): none, 128 / 256-byte L2 prefetch,
-    # and no L1 allocation with the 256-byte prefetch (the weights are read once)
-    _LD4 = [_make_ld4(h) for h in ("", ".L2::128B", ".L2::256B", ".L1::no_allocate.L2::256B")]
+    # cache hints of the weight loads (variant "-p<P>"): non-coherent (.nc) plain, with 128 /
+    # 256-byte L2 prefetch, and with no L1 allocation too (the weights are read once); then the
+    # last two coherent: ptxas moves .nc loads across barriers (below the fill), not these
+    _LD4 = [_make_ld4(h) for h in (".nc", ".nc.L2::128B", ".nc.L2::256B",
+                                   ".nc.L1::no_allocate.L2::256B", ".L1::no_allocate.L2::256B",
+                                   ".L2::256B")]
 
     @intrinsic
     def _hmul2(typingctx, a, b):
@@ -344,15 +347,6 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
         k = int32(cuda.blockIdx.x) // nrg
         r0 = (int32(cuda.blockIdx.x) - k * nrg) << 3
         r = min(r0 + g, I - int32(1))
-        v = cuda.local.array(NV, float32)    # the lane's units of x: L2 hits, asked for first
-        for i in range(UPT):
-            u = (tid & 31) + int32(32 * i)
-            e0 = (wp * int32(S) + (u >> 4)) * int32(STEP) + (u & 3) * int32(32) + \
-                ((u >> 2) & 3) * int32(8)
-            for j in range(8):
-                e = e0 + int32(j)
-                a = x[uint32(min(e, H - int32(1)))] if MODE != 1 else float32(1.0)
-                v[8 * i + j] = a if e < H else float32(0.0)
         slot = slots[k]
         ga = (gq + r * (Hs >> 1) + t * int32(16)) >> 2     # uint32 index, step 0
         ua = (uq + r * (Hs >> 1) + t * int32(16)) >> 2
@@ -362,6 +356,17 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
         sv = cuda.local.array(NS2, uint32)
         for s in range(LA):                   # the first LA steps' weights
             load(bank32, bank16, slots, slot, wv, sv, s, wp, nst, int32(1), ga, ua, gs, us, False)
+        cuda.syncthreads()   # ptxas sinks the weight loads below the fill, never below a barrier
+        # the lane's units of x (L2 hits), after the weights' HBM loads are on their way
+        v = cuda.local.array(NV, float32)
+        for i in range(UPT):
+            u = (tid & 31) + int32(32 * i)
+            e0 = (wp * int32(S) + (u >> 4)) * int32(STEP) + (u & 3) * int32(32) + \
+                ((u >> 2) & 3) * int32(8)
+            for j in range(8):
+                e = e0 + int32(j)
+                a = x[uint32(min(e, H - int32(1)))] if MODE != 1 else float32(1.0)
+                v[8 * i + j] = a if e < H else float32(0.0)
         inv = fill(bsh, v, red)
         dg, du = steps(mx, bsh, wv, sv, bank32, bank16, slots, slot, wp, nst, int32(1), ga, ua,
                        gs, us, False)
@@ -396,6 +401,17 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
         nsi = Is >> 7                          # steps an expert
         nst = K * nsi
         r0 = int32(cuda.blockIdx.x) << 4
+        ra = min(r0 + g, H - int32(1))
+        rb = min(r0 + int32(8) + g, H - int32(1))
+        da = (dq + ra * (Is >> 1) + t * int32(16)) >> 2
+        db = (dq + rb * (Is >> 1) + t * int32(16)) >> 2
+        sa = (dsc + ra * (Is >> 4) + t * int32(2)) >> 1
+        sb = (dsc + rb * (Is >> 4) + t * int32(2)) >> 1
+        wv = cuda.local.array(NW8, uint32)
+        sv = cuda.local.array(NS2, uint32)
+        for s in range(LA):
+            load(bank32, bank16, slots, int32(0), wv, sv, s, wp, nst, nsi, da, db, sa, sb, True)
+        cuda.syncthreads()   # as in gate_up
         v = cuda.local.array(NV, float32)
         for i in range(UPT):
             u = (tid & 31) + int32(32 * i)
@@ -407,16 +423,6 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
                 e = i0 + int32(j)
                 a = act[ke, uint32(min(e, I - int32(1)))] * f if MODE != 1 else float32(1.0)
                 v[8 * i + j] = a if e < I and st < nst else float32(0.0)
-        ra = min(r0 + g, H - int32(1))
-        rb = min(r0 + int32(8) + g, H - int32(1))
-        da = (dq + ra * (Is >> 1) + t * int32(16)) >> 2
-        db = (dq + rb * (Is >> 1) + t * int32(16)) >> 2
-        sa = (dsc + ra * (Is >> 4) + t * int32(2)) >> 1
-        sb = (dsc + rb * (Is >> 4) + t * int32(2)) >> 1
-        wv = cuda.local.array(NW8, uint32)
-        sv = cuda.local.array(NS2, uint32)
-        for s in range(LA):
-            load(bank32, bank16, slots, int32(0), wv, sv, s, wp, nst, nsi, da, db, sa, sb, True)
         inv = fill(bsh, v, red)
         d0, d1 = steps(mx, bsh, wv, sv, bank32, bank16, slots, int32(0), wp, nst, nsi, da, db,
                        sa, sb, True)
