@@ -1813,9 +1813,9 @@ SWEEP = {   # what tools/sweep_experts.py times
 }
 _VARIANT_RE = re.compile(r"^(p|q)?(tab|arith|mix|pair|bpair)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
 _LUT_RE = re.compile(r"^lut-g(\d+)-d(\d+)(?:-m(\d))?$")   # NVFP4: gpu_experts_lut, GW / DW warps a block
-_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(?:-m(\d))?$")   # NVFP4: gpu_experts_mma, SG / SD
-# steps a warp, LA steps loaded ahead (default all), P the weight loads' cache hints, -m1 / -m2
-# diagnostic modes (wrong results)
+_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(?:-m(\d))?$")   # NVFP4: gpu_experts_mma, SG / SD
+# steps a warp, LA steps loaded ahead (default all), P the weight loads' cache hints, -c the
+# scales on the D columns, -m1 / -m2 diagnostic modes (wrong results)
 _FLAT = {}
 
 
@@ -1829,7 +1829,8 @@ def parse_variant(fmt: str, variant: str):
         return ("lut", int(m.group(1)), int(m.group(3) or 0), int(m.group(2)), 0)
     m = _MMA_RE.match(v)
     if m and fmt == "nvfp4":
-        extra = (int(m.group(3) or 0), int(m.group(5) or 0), int(m.group(4) or 0))   # LA, MODE, P
+        extra = (int(m.group(3) or 0), int(m.group(6) or 0), int(m.group(4) or 0),
+                 int(bool(m.group(5))))                               # LA, MODE, P, COLS
         return ("mma", int(m.group(1)), extra, int(m.group(2)), 0)
     m = _VARIANT_RE.match(v)
     ok = (fmt == "nvfp4" and m.group(2) in _Q_DEC) if m and m.group(1) == "q" else \

@@ -42,9 +42,13 @@ SHARED_LIMIT = 48 * 1024          # dynamic shared bytes without the opt-in
 RED = 1024 if SIM else 1          # the simulator's block reductions (unused on the GPU)
 MXW = MAX_WARPS if SIM else 1     # the simulator's mma scratch, [warps, 32 lanes, 6 words]
 _MAG, _SGN = np.uint32(0x0E000E00), np.uint32(0x80008000)
+_MAG8, _SGN8 = np.uint32(0x000E000E), np.uint32(0x00800080)
+_E_LO = np.uint32(0x07F00000)     # E4M3 bits 0-6 at float bits 20-26
+_TWO120 = float32(2.0 ** 120)
 _LO16, _HI16 = np.uint32(0xFFFF), np.uint32(0xFFFF0000)
 _S1, _S2, _S3, _S4, _S5, _S7, _S8 = (np.uint32(v) for v in (1, 2, 3, 4, 5, 7, 8))
 _S9, _S12, _S15, _S16 = (np.uint32(v) for v in (9, 12, 15, 16))
+_S20, _S24 = np.uint32(20), np.uint32(24)
 _SC_LO, _SC_LS = np.uint32(0x3F80), np.uint32(0x8000)
 _SC_HI, _SC_HS = np.uint32(0x3F800000), np.uint32(0x80000000)
 _TWO15 = np.uint32(0x78007800)    # f16x2 (2^15, 2^15)
@@ -203,14 +207,51 @@ def _scales(u):
 
 
 @cuda.jit(device=True, inline=True)
-def _pairs(w, sc):
-    """8 E2M1 nibbles of w -> four f16x2 pairs (nibble i, nibble i + 4) * scale pair sc.
-    Magnitude bits to f16 bits 9-11 (f16 = E2M1 * 2^-14, 0.5 a subnormal), sign to bit 15."""
-    p0 = ((w << _S9) & _MAG) | ((w << _S12) & _SGN)
-    p1 = ((w << _S5) & _MAG) | ((w << _S8) & _SGN)
-    p2 = ((w << _S1) & _MAG) | ((w << _S4) & _SGN)
-    p3 = ((w >> _S3) & _MAG) | (w & _SGN)
+def _pairs(w):
+    """8 E2M1 nibbles of w -> four f16x2 pairs P_i = (nibble i, nibble i + 4), each E2M1 * 2^-14
+    (0.5 a subnormal): magnitude bits to f16 bits 9-11, sign to bit 15. Pairs 0 and 1 are pairs
+    2 and 3's masks applied before a shift by 8 (9 instructions, not 11)."""
+    y = w << _S1
+    z = w << _S4
+    r = w >> _S3
+    p0 = ((y & _MAG8) | (z & _SGN8)) << _S8
+    p1 = ((r & _MAG8) | (w & _SGN8)) << _S8
+    p2 = (y & _MAG) | (z & _SGN)
+    p3 = (r & _MAG) | (w & _SGN)
+    return p0, p1, p2, p3
+
+
+@cuda.jit(device=True, inline=True)
+def _pairs_scaled(w, sc):
+    p0, p1, p2, p3 = _pairs(w)
     return _hmul2(p0, sc), _hmul2(p1, sc), _hmul2(p2, sc), _hmul2(p3, sc)
+
+
+@cuda.jit(device=True, inline=True)
+def _fscales(u):
+    """uint32 holding two E4M3 bytes (groups a, b) -> float32 (sa, sb); the bits give s * 2^-120
+    (subnormal E4M3 too), the multiply by 2^120 is exact."""
+    a = int_as_float(((u << _S20) & _E_LO) | ((u << _S24) & _SC_HS)) * _TWO120
+    b = int_as_float(((u << _S12) & _E_LO) | ((u << _S16) & _SC_HS)) * _TWO120
+    return a, b
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def _quad_sum(v, red):
+        """Sum over the 4 lanes of v's quad (lane // 4), every thread of the block calling."""
+        tid = cuda.threadIdx.x
+        red[tid] = v
+        cuda.syncthreads()
+        b = tid & ~3
+        t = red[b] + red[b + 1] + red[b + 2] + red[b + 3]
+        cuda.syncthreads()
+        return float32(t)
+else:
+    @cuda.jit(device=True, inline=True)
+    def _quad_sum(v, red):
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+        return v + cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
 
 
 @cuda.jit(device=True, inline=True)
@@ -248,11 +289,12 @@ def _store_unit(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
     bsh[base + 19] = l3
 
 
-def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
+def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
     """(gate_up, down) with S steps (S * 128 columns) a warp, the loads of LA steps in flight
     ahead of the one multiplied (LA = S: every load issued first), weight loads with cache
     hints P (see _LD4). MODE (diagnostics for the sweep, wrong results): 1 = no input loads
-    (x = 1), 2 = no decode or mma (the words XORed into the sums)."""
+    (x = 1), 2 = no decode or mma (the words XORed into the sums). COLS: E4M3 scales applied to
+    each group's own D columns in f32 (no f16 multiplies; see steps), else to A in f16."""
     NW8 = 8 * S                   # weight words a lane holds: 2 rows x 4 words a step
     NS2 = 2 * S
     UPT = cdiv(S, 2)              # (step, word, t) units of B a lane fills: 16 S a warp
@@ -295,13 +337,18 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
         return inv
 
     @cuda.jit(device=True, inline=True)
-    def steps(mx, bsh, wv, sv, bank32, bank16, slots, slot0, wp, nst, nsi, a0, a1, s0, s1, down):
+    def steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot0, wp, nst, nsi, a0, a1, s0, s1,
+              down):
         """The warp's S steps: rows g (words wv[8 s + q], scales sv[2 s]) and g + 8 (wv[8 s + 4 +
         q], sv[2 s + 1]) against the B fragments of steps wp S .. wp S + S - 1; steps LA .. S - 1
         are loaded here, LA steps ahead of the one multiplied."""
         lane = uint32(cuda.threadIdx.x) & uint32(31)
         sel = ((((lane >> _S2) & uint32(1)) << _S2) | (lane & uint32(3))) << _S2
         st0 = wp * int32(S)
+        # COLS: B column 2 t' + h holds x (hi / lo) only on the k of lane t' (its own scale
+        # group), so D separates the 4 groups of an mma; other lanes read a zero chunk
+        valid = (lane & uint32(3)) == (lane >> _S3)
+        zoff = uint32(cuda.blockDim.x >> 5) * uint32(S * STEP_U32)
         c0 = float32(0.0)
         c1 = float32(0.0)
         c2 = float32(0.0)
@@ -316,16 +363,39 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
                     x_ ^= wv[8 * s + q]
                 c0 += float32(x_ & uint32(255))
                 continue
+            if COLS:
+                fa, fb = _fscales(sv[2 * s])
+                ha, hb = _fscales(sv[2 * s + 1])
+                for hg in range(2):             # words 2 hg, 2 hg + 1: one scale group a lane
+                    d0 = float32(0.0)
+                    d1 = float32(0.0)
+                    d2 = float32(0.0)
+                    d3 = float32(0.0)
+                    for qq in range(2):
+                        q = 2 * hg + qq
+                        base = (uint32(st0 + s) * uint32(4) + uint32(q)) * uint32(32) + sel
+                        base = base if valid else zoff
+                        p0, p1, p2, p3 = _pairs(wv[8 * s + q])
+                        r0, r1, r2, r3 = _pairs(wv[8 * s + 4 + q])
+                        d0, d1, d2, d3 = _mma(mx, p0, r0, p1, r1, bsh[base], bsh[base + 1],
+                                              d0, d1, d2, d3)
+                        d0, d1, d2, d3 = _mma(mx, p2, r2, p3, r3, bsh[base + 2], bsh[base + 3],
+                                              d0, d1, d2, d3)
+                    c0 += (fa if hg == 0 else fb) * (d0 + d1)
+                    c2 += (ha if hg == 0 else hb) * (d2 + d3)
+                continue
             ga, gb = _scales(sv[2 * s])
             ua, ub = _scales(sv[2 * s + 1])
             for q in range(4):
                 base = (uint32(st0 + s) * uint32(4) + uint32(q)) * uint32(32) + sel
-                p0, p1, p2, p3 = _pairs(wv[8 * s + q], ga if q < 2 else gb)
-                r0, r1, r2, r3 = _pairs(wv[8 * s + 4 + q], ua if q < 2 else ub)
+                p0, p1, p2, p3 = _pairs_scaled(wv[8 * s + q], ga if q < 2 else gb)
+                r0, r1, r2, r3 = _pairs_scaled(wv[8 * s + 4 + q], ua if q < 2 else ub)
                 c0, c1, c2, c3 = _mma(mx, p0, r0, p1, r1, bsh[base], bsh[base + 1],
                                       c0, c1, c2, c3)
                 c0, c1, c2, c3 = _mma(mx, p2, r2, p3, r3, bsh[base + 2], bsh[base + 3],
                                       c0, c1, c2, c3)
+        if COLS:      # lane t holds its own groups' sums: the quad adds them up
+            return _quad_sum(c0, red) * float32(128.0), _quad_sum(c2, red) * float32(128.0)
         return c0 + c1, c2 + c3
 
     @cuda.jit
@@ -356,6 +426,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
         sv = cuda.local.array(NS2, uint32)
         for s in range(LA):                   # the first LA steps' weights
             load(bank32, bank16, slots, slot, wv, sv, s, wp, nst, int32(1), ga, ua, gs, us, False)
+        if tid < 4:
+            bsh[(nt >> 5) * int32(S * STEP_U32) + tid] = uint32(0)   # the zero chunk
         cuda.syncthreads()   # ptxas sinks the weight loads below the fill, never below a barrier
         # the lane's units of x (L2 hits), after the weights' HBM loads are on their way
         v = cuda.local.array(NV, float32)
@@ -368,7 +440,7 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
                 a = x[uint32(min(e, H - int32(1)))] if MODE != 1 else float32(1.0)
                 v[8 * i + j] = a if e < H else float32(0.0)
         inv = fill(bsh, v, red)
-        dg, du = steps(mx, bsh, wv, sv, bank32, bank16, slots, slot, wp, nst, int32(1), ga, ua,
+        dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, nst, int32(1), ga, ua,
                        gs, us, False)
         if t == 0:
             part[wp, g] = dg * inv
@@ -411,6 +483,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
         sv = cuda.local.array(NS2, uint32)
         for s in range(LA):
             load(bank32, bank16, slots, int32(0), wv, sv, s, wp, nst, nsi, da, db, sa, sb, True)
+        if tid < 4:
+            bsh[(nt >> 5) * int32(S * STEP_U32) + tid] = uint32(0)
         cuda.syncthreads()   # as in gate_up
         v = cuda.local.array(NV, float32)
         for i in range(UPT):
@@ -424,7 +498,7 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
                 a = act[ke, uint32(min(e, I - int32(1)))] * f if MODE != 1 else float32(1.0)
                 v[8 * i + j] = a if e < I and st < nst else float32(0.0)
         inv = fill(bsh, v, red)
-        d0, d1 = steps(mx, bsh, wv, sv, bank32, bank16, slots, int32(0), wp, nst, nsi, da, db,
+        d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), wp, nst, nsi, da, db,
                        sa, sb, True)
         if t == 0:
             part[wp, g] = d0 * inv
@@ -443,8 +517,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0):
 _KERNELS = {}
 
 
-def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0):
-    key = (s, min(la or s, s), mode, p)
+def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0, cols: int = 0):
+    key = (s, min(la or s, s), mode, p, cols)
     if key not in _KERNELS:
         _KERNELS[key] = _make(*key)
     return _KERNELS[key]
@@ -462,7 +536,7 @@ def _shape(lay_host, k, sg, sd):
         return None
     wg = cdiv(hs // STEP, sg)
     wd = cdiv(k * is_ // STEP, sd)
-    if max(wg, wd) > MAX_WARPS or max(wg * sg, wd * sd) * STEP_U32 * 4 > SHARED_LIMIT:
+    if max(wg, wd) > MAX_WARPS or max(wg * sg, wd * sd) * STEP_U32 * 4 + 16 > SHARED_LIMIT:
         return None
     return wg, wd
 
@@ -472,14 +546,14 @@ def supported(lay_host, k: int, cfg, row_bytes: int) -> bool:
 
 
 def gate_up(cfg, views, lay, lay_host, slots, x, act, stream):
-    """cfg = ("mma", SG, (LA, MODE, P), SD, 0) (LA 0: every load first)."""
+    """cfg = ("mma", SG, (LA, MODE, P, COLS), SD, 0) (LA 0: every load first)."""
     _, b8, bf = views
     b32, b16 = _views(b8)
     sg = cfg[1]
     wg, _ = _shape(lay_host, slots.shape[0], sg, cfg[3])
     grid = slots.shape[0] * cdiv(int(lay_host[7]), 8)
     L = [int32(v) for v in lay_host]
-    kernels(sg, *cfg[2])[0][grid, wg * WARP, stream, wg * sg * STEP_U32 * 4](
+    kernels(sg, *cfg[2])[0][grid, wg * WARP, stream, wg * sg * STEP_U32 * 4 + 16](
         b32, b16, bf, slots, x, act, L[0], L[1], L[2], L[3], L[6], L[7], L[8])
 
 
@@ -489,6 +563,6 @@ def down(cfg, views, lay, lay_host, slots, weights, act, out, stream, accumulate
     sd = cfg[3]
     _, wd = _shape(lay_host, slots.shape[0], cfg[1], sd)
     L = [int32(v) for v in lay_host]
-    kernels(sd, *cfg[2])[1][cdiv(int(lay_host[6]), 16), wd * WARP, stream, wd * sd * STEP_U32 * 4](
+    kernels(sd, *cfg[2])[1][cdiv(int(lay_host[6]), 16), wd * WARP, stream, wd * sd * STEP_U32 * 4 + 16](
         b32, b16, bf, slots, weights, act, out, int32(1 if accumulate else 0), L[4], L[5], L[6],
         L[7], L[9])
