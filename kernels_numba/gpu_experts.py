@@ -1793,9 +1793,9 @@ def down_grid(lay_host: np.ndarray, threads: int = THREADS) -> int:
 # Any such name builds; SWEEP lists the ones timed; a default is switched by editing
 # DEFAULT_VARIANT. Threads a block are always capped by the compiled kernel's registers (_cap).
 
-DEFAULT_VARIANT = {"nvfp4": "mma-g4-d4-a2-p3", "fp8": "parith-g8j1-d4j2", "bf16": "parith-g4j4-d4j4"}
-# ^ nvfp4: the tensor-core kernels (gpu_experts_mma), H200 sweep of 2026-12-01: 18.8 / 17.0 / 31.9
-# us a layer at 30B / Next / 2560x640 against qtab-g8j1-d4j2's 22.9 / 26.4 / 35.8
+DEFAULT_VARIANT = {"nvfp4": "mma-g4-d4-p3-c", "fp8": "parith-g8j1-d4j2", "bf16": "parith-g4j4-d4j4"}
+# ^ nvfp4: the tensor-core kernels (gpu_experts_mma), H200 sweep of 2026-12-01: 19.6 / 17.4 / 30.9
+# us a layer at 30B / Next / 2560x640 against qtab-g8j1-d4j2's 23.0 / 26.3 / 35.6
 # ^ H200 sweep of 2026-11-30 (graph replay; us per layer at 30B / Next / 2560x640): the
 # pipelined persistent kernels win: nvfp4 ptab-g8j1-d4j2 24.6 / 26.5 / 38.1 (flat tab 34.4 /
 # 28.7 / 48.9, legacy 51.1 / 46.8 / 68.4); fp8 parith-g8j1-d4j2 26.6 / 25.8 / 39.3; bf16
@@ -1806,7 +1806,7 @@ SWEEP = {   # what tools/sweep_experts.py times
               "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1",
               "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
               "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2", "lut-g32-d16",
-              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g2-d4-a1-p3"],
+              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
