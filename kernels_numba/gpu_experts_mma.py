@@ -2,30 +2,36 @@
 
 The q / lut kernels of gpu_experts*.py multiply every weight on the CUDA cores (5-9 instructions
 a weight) and hold their loads at low occupancy. Here a warp decodes E2M1 nibbles straight into
-f16 pairs with three bit operations a pair, scales them by the group's E4M3 scale (one f16x2
-multiply a pair, exact) and lets one mma multiply 256 weights; the f32 accumulation is the
-tensor core's. Every warp issues all its weight loads (16 bytes a lane) before anything else,
-so a block's bytes are in flight while it builds its input fragments.
+f16 pairs with bit operations (9 instructions a word of 8) and lets one mma multiply 256
+weights; the f32 accumulation is the tensor core's. A warp issues its weight loads (16 bytes a
+lane) before it builds its input fragments.
 
-Exactness. A = E2M1 * s * 2^-7 is exact in f16 (at most 6 significant bits, 2^-17..21). The
-input is split x * c = hi + lo, two f16 (22 significant bits); hi goes to column 0 of the
-mma's B, lo to column 1 (the 8 columns are paid for anyway), so D[:, 0] + D[:, 1] = A (x * c)
-to ~2^-22 relative; c = 2^(13 - floor(log2 max|x|)) per block keeps hi and lo in f16 range.
+Exactness. A = E2M1 * 2^-14 is exact in f16. The input is split x * c = hi + lo, two f16 (22
+significant bits), c = 2^(13 - floor(log2 max|x|)) per warp so hi and lo stay in f16 range.
+Default ("-c"): B column 2 t + h holds the hi (h = 0) or lo (h = 1) part only on the four k of
+lane t, so D[:, 2 t + h] is the sum over lane t's own 16-column scale group; the lane applies
+its E4M3 scale to those columns in f32 and the quad adds its four lanes' sums. Without "-c",
+A is scaled in f16 instead (E2M1 * s * 2^-7, exact too) and x goes to columns 0 / 1 on all lanes.
 
 Tiles. A warp's mma tile is 16 rows x 16 columns. A step is 128 columns (64 bytes a row):
 lane (g = lane / 4, t = lane % 4) loads 16 bytes of row g and of row g + 8 at byte 16 t of the
 step. Word q (8 nibbles, columns c0 .. c0 + 7, c0 = 128 st + 32 t + 8 q) gives four f16 pairs
 P_i = (nibble i, nibble i + 4): (P0, P1) feed one mma as (a0, a2) and (P2, P3) the next; the
 matching B pairs (x[c0 + i], x[c0 + i + 4]) sit in shared memory, laid out so a warp's read is
-one conflict-free 128-byte line (lanes of the same g % 2 and t read the same address).
+one conflict-free 128-byte line. Each warp fills (and reads) only its own steps' fragments.
     gate_up: block = (expert, 8 rows); A rows 0-7 are gate rows, 8-15 the same up rows; warp w
              takes steps [w S, w S + S) of the Hs / 128; partial sums meet in shared memory
              -> act [K, I] = silu(g) * u (one block writes each row: no atomics)
     down:    block = 16 output rows; the columns are all K experts' rows side by side (an
              expert's routing weight and global scale folded into its B values); warp w
              takes steps [w S, w S + S) of the K * Is / 128 -> out [H] (+= when accumulate)
+Variant "mma-g<SG>-d<SD>[-a<LA>][-p<P>][-c][-m<MODE>]" (gpu_experts.parse_variant): steps a
+warp, steps loaded ahead, the weight loads' cache hints, the scale placement, diagnostics.
 Needs Hs and Is multiples of 128 (supported() says; the launcher falls back to the q kernels).
 Under the simulator the mma, the f16 multiply and the split run as numpy emulations.
+H200 (docs/PERF.md, sixth session): 19.6 / 17.4 / 30.9 us a layer at Qwen3-30B / Next-80B /
+2560x640 shapes, against 23.0 / 26.3 / 35.6 for the qtab kernels; with the decode and mma
+removed (MODE 2) gate_up still takes 7.9 of its 10.3 us, so the load structure bounds them.
 """
 from __future__ import annotations
 
