@@ -504,10 +504,24 @@ def add(a, b, out, stream):
 
 # ---- fused per-head q/k RMSNorm + RoPE ---------------------------------------------------------
 
-QKR_WARPS = 2 if SIM else 4          # qk_norm_rope: heads a block (one warp each)
+QKR_VARIANTS = ("base", "v2")
+QKR_VARIANT = "v2"                   # qk_norm_rope()'s default
+QKR_WARPS = 2 if SIM else 4          # qk_norm_rope base: heads a block (one warp each)
 QKR_MAX_D = 256
 QKR_DL = QKR_MAX_D // WARP           # head-dim values a lane holds
+QKR_FL = QKR_MAX_D // 2 // WARP      # v2: rotary frequencies a lane holds (R / 2 <= D / 2)
 QKR_THREADS = QKR_WARPS * WARP       # a module constant: shared.array needs a literal size
+
+if SIM:
+    def _sincos64(a):
+        return math.sin(a), math.cos(a)
+else:
+    from numba.cuda import libdevice as _ld
+
+    @cuda.jit(device=True, inline=True)
+    def _sincos64(a):
+        """(sin a, cos a) in float64, one range reduction for both."""
+        return _ld.sincos(a)
 
 
 def _make_qk_norm_rope(STORE):
@@ -583,23 +597,125 @@ _qk_norm_rope = _make_qk_norm_rope(False)
 _qk_norm_rope_store = _make_qk_norm_rope(True)
 
 
+def _make_qk_norm_rope_v2(STORE):
+    @cuda.jit
+    def qk_norm_rope_v2(q, k, wq, wk, eps, w_offset, positions, inv_freq, scaling, v, kc, vc):
+        """The base kernel's result, one warp (block) a head: grid T * (Hq + Hkv), block b =
+        head b % (Hq + Hkv) (q's heads, then k's) of token b // (Hq + Hkv). Every load is issued
+        first (one memory latency), all in registers, no shared memory or barrier: lane l holds
+        the rotary pairs (f, f + R/2) for f = l, l + 32, ... < R/2 (xa, xb) with the cos / sin of
+        those frequencies (float64 angle and sincos, computed while the norm's sum reduces), and
+        the dims past R at 2 * (R/2) + l, + 32, ... (xc). STORE: a k head's warp also writes
+        it, and v's head (lane l: dims l, l + 32, ...), into the cache rows at positions[t]."""
+        red = cuda.shared.array(WARP, float32)        # the simulator's warp_sum only
+        T, Hq, D = q.shape
+        nh = Hq + k.shape[1]
+        lane = cuda.threadIdx.x
+        t = cuda.blockIdx.x // nh
+        h = cuda.blockIdx.x - t * nh
+        isq = h < Hq                                  # uniform over the block
+        x = q if isq else k
+        w = wq if isq else wk
+        hh = h if isq else h - Hq
+        store = STORE and not isq
+        r2 = inv_freq.shape[0]
+        r = 2 * r2
+        xa = cuda.local.array(QKR_FL, float32)
+        xb = cuda.local.array(QKR_FL, float32)
+        wa = cuda.local.array(QKR_FL, float32)
+        wb = cuda.local.array(QKR_FL, float32)
+        fr = cuda.local.array(QKR_FL, float32)
+        xc = cuda.local.array(QKR_DL, float32)
+        wc = cuda.local.array(QKR_DL, float32)
+        vv = cuda.local.array(QKR_DL, float32)
+        p = positions[t]
+        for j in range(QKR_FL):
+            f = j * WARP + lane
+            if f < r2:
+                fr[j] = inv_freq[f]
+                xa[j] = x[t, hh, f]
+                xb[j] = x[t, hh, f + r2]
+                wa[j] = w[f]
+                wb[j] = w[f + r2]
+        for i in range(QKR_DL):
+            d = r + i * WARP + lane
+            if d < D:
+                xc[i] = x[t, hh, d]
+                wc[i] = w[d]
+            if store and i * WARP + lane < D:
+                vv[i] = v[t, hh, i * WARP + lane]
+        ss = float32(0.0)
+        for j in range(QKR_FL):
+            if j * WARP + lane < r2:
+                ss += xa[j] * xa[j] + xb[j] * xb[j]
+        for i in range(QKR_DL):
+            if r + i * WARP + lane < D:
+                ss += xc[i] * xc[i]
+        cs = cuda.local.array(QKR_FL, float32)
+        sn = cuda.local.array(QKR_FL, float32)
+        pos = float64(p)
+        for j in range(QKR_FL):
+            if j * WARP + lane < r2:
+                s64, c64 = _sincos64(pos * float64(fr[j]))
+                cs[j] = float32(c64 * scaling)
+                sn[j] = float32(s64 * scaling)
+        ss = warp_sum(ss, red)
+        inv = float32(1.0) / math.sqrt(ss / float32(D) + eps)
+        for j in range(QKR_FL):
+            f = j * WARP + lane
+            if f < r2:
+                a = xa[j] * inv * (wa[j] + w_offset)
+                b = xb[j] * inv * (wb[j] + w_offset)
+                ra = a * cs[j] - b * sn[j]
+                rb = b * cs[j] + a * sn[j]
+                x[t, hh, f] = ra
+                x[t, hh, f + r2] = rb
+                if store:
+                    kc[p, hh, f] = ra
+                    kc[p, hh, f + r2] = rb
+        for i in range(QKR_DL):
+            d = r + i * WARP + lane
+            if d < D:
+                y = xc[i] * inv * (wc[i] + w_offset)
+                x[t, hh, d] = y
+                if store:
+                    kc[p, hh, d] = y
+            if store and i * WARP + lane < D:
+                vc[p, hh, i * WARP + lane] = vv[i]
+    return qk_norm_rope_v2
+
+
+_qk_norm_rope_v2 = _make_qk_norm_rope_v2(False)
+_qk_norm_rope_v2_store = _make_qk_norm_rope_v2(True)
+
+
 def qk_norm_rope(q, k, wq, wk, eps, positions, inv_freq, scaling, stream, w_offset=0.0,
-                 cache=None):
+                 cache=None, variant=None):
     """Per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (weights wq, wk [D], each plus
     w_offset), then RoPE as rope() does it (the first 2 * len(inv_freq) dims, cos / sin times
     scaling), in place, in one launch: rmsnorm(q), rmsnorm(k), rope(q), rope(k) fused.
-    cache = (v, kc, vc): also kv_store(k, v, kc, vc, positions) in the same launch."""
+    cache = (v, kc, vc): also kv_store(k, v, kc, vc, positions) in the same launch.
+    variant: one of QKR_VARIANTS (default QKR_VARIANT): "base" = QKR_WARPS heads a block,
+    the normed head parked in shared memory; "v2" = one warp a block, registers only."""
     t, hq, d = q.shape
     if d > QKR_MAX_D or k.shape[2] != d or k.shape[0] != t:
         raise ValueError(f"qk_norm_rope: q {q.shape}, k {k.shape} (head dim <= {QKR_MAX_D})")
     if 2 * inv_freq.shape[0] > d:
         raise ValueError(f"qk_norm_rope: {inv_freq.shape[0]} frequencies exceed head dim {d}")
+    variant = QKR_VARIANT if variant is None else variant
+    if variant not in QKR_VARIANTS:
+        raise ValueError(f"unknown qk_norm_rope variant {variant!r} (one of {QKR_VARIANTS})")
     heads = t * (hq + k.shape[1])
-    kern, (v, kc, vc) = (_qk_norm_rope, (k, k, k)) if cache is None else (_qk_norm_rope_store, cache)
+    v, kc, vc = (k, k, k) if cache is None else cache
     if cache is not None and (v.shape != k.shape or kc.shape[1:] != k.shape[1:]
                               or vc.shape != kc.shape):
         raise ValueError(f"qk_norm_rope: v {v.shape} / caches {kc.shape}, {vc.shape} do not "
                          f"match k {k.shape}")
-    kern[cdiv(heads, QKR_WARPS), QKR_THREADS, stream](
-        q, k, wq, wk, float32(eps), float32(w_offset), positions, inv_freq, float64(scaling),
-        v, kc, vc)
+    args = (q, k, wq, wk, float32(eps), float32(w_offset), positions, inv_freq,
+            float64(scaling), v, kc, vc)
+    if variant == "v2":
+        kern = _qk_norm_rope_v2 if cache is None else _qk_norm_rope_v2_store
+        kern[heads, WARP, stream](*args)
+        return
+    kern = _qk_norm_rope if cache is None else _qk_norm_rope_store
+    kern[cdiv(heads, QKR_WARPS), QKR_THREADS, stream](*args)

@@ -5,6 +5,17 @@ Legend: T = tokens, E = experts, K = top-k, V = vocab.
                  softmax over all E, K largest (lower index first on ties), renormalized when
                  norm_topk_prob. One warp per token, E <= ROUTER_MAX_E. Optionally also
                  slots int32 [T, K] = slot_of[ids] (slot_of int32 [E]) in the same launch.
+                 Variants (router_topk(variant=...), default ROUTER_VARIANT):
+                 "base": the logits parked in shared memory, K rounds of a lane scan + warp
+                         argmax, each ending in a barrier (lane 0 writes the round's pick and
+                         knocks it out of the buffer);
+                 "v2":   the logits in registers (NL = cdiv(E, 32) a lane, lane l holding
+                         experts l, l + 32, ...; one compiled kernel per NL), K rounds of a
+                         register scan + shuffle argmax with no shared memory or barrier; the
+                         owner lane of a pick knocks it out (NaN = taken; a NaN logit counts as
+                         -inf there, so every lane agrees on the pick and ids stay distinct)
+                         and writes its slot (slot_of loaded with the logits); lane k keeps
+                         pick k, written at the end. K <= 32 (more: base).
     argmax:      logits float32 [V] -> token int32 [1] (lowest index on ties). One block.
     sample:      logits float32 [V], params float32 [3] = (temperature, top_k, top_p),
                  u float32 [1] in [0, 1) (all device memory, so a graph serves any setting)
@@ -23,10 +34,12 @@ import math
 
 from numba import cuda, float32, int32, uint32
 
-from .gpu_util import (NEG_INF, SIM, WARP, block_argmax, block_max, block_sum, float_as_uint,
-                       warp_argmax, warp_max, warp_sum)
+from .gpu_util import (NEG_INF, SIM, WARP, block_argmax, block_max, block_sum, cdiv,
+                       float_as_uint, warp_argmax, warp_max, warp_sum)
 
 ROUTER_MAX_E = 1024
+ROUTER_VARIANTS = ("base", "v2")
+ROUTER_VARIANT = "v2"             # router_topk()'s default
 BLOCK = 64 if SIM else 1024       # argmax / sample: one block
 MAX_WARPS = 32
 
@@ -91,21 +104,115 @@ _router_topk = _make_router_topk(False)
 _router_topk_slots = _make_router_topk(True)
 
 
-def router_topk(logits, norm_topk_prob, ids, weights, stream, slots=None):
+def _make_router_topk_v2(NL, SLOTS):
+    """The "v2" kernel for NL = cdiv(E, 32) logits a lane."""
+    NAN = float32(math.nan)
+
+    @cuda.jit(device=True, inline=True)
+    def body(logits, norm, ids, weights, slot_of, slots):
+        """grid T, 32 threads. SLOTS: also slots[t, k] = slot_of[ids[t, k]]."""
+        red = cuda.shared.array(WARP, float32)        # the simulator's warp reductions only
+        red_i = cuda.shared.array(WARP, int32)
+        t = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        E = int32(logits.shape[1])
+        K = ids.shape[1]
+        key = cuda.local.array(NL, float32)           # expert i * 32 + lane; NaN: taken / none
+        sl = cuda.local.array(NL, int32)              # SLOTS: its slot_of
+        m = NEG_INF
+        for i in range(NL):
+            e = i * WARP + lane
+            v = NAN
+            if e < E:
+                v = logits[t, e]
+                m = max(m, v)
+                if SLOTS:
+                    sl[i] = slot_of[e]
+            key[i] = v
+        m = warp_max(m, red)
+        s = float32(0.0)
+        for i in range(NL):
+            if i * WARP + lane < E:
+                v = key[i]
+                s += math.exp(v - m)
+                if v != v:                            # a NaN logit: selectable, as -inf
+                    key[i] = NEG_INF
+        s = warp_sum(s, red)
+        tot = float32(0.0)
+        my_i = int32(0)                               # lane k: pick k
+        my_p = float32(0.0)
+        for k in range(K):
+            bv = NEG_INF
+            bi = int32(E)                             # E: no candidate in this lane
+            for i in range(NL):
+                v = key[i]
+                if v > bv or (bi == E and v == v):
+                    bv = v
+                    bi = int32(i * WARP + lane)       # int32: one shuffle a step, not two
+            bv, bi = warp_argmax(bv, bi, red, red_i)
+            p = math.exp(bv - m) / s
+            tot += p
+            for i in range(NL):
+                if i * WARP + lane == bi:
+                    key[i] = NAN
+                    if SLOTS:
+                        slots[t, k] = sl[i]
+            if lane == k:
+                my_i = bi
+                my_p = p
+        if lane < K:
+            ids[t, lane] = my_i
+            weights[t, lane] = my_p / tot if norm else my_p
+
+    if SLOTS:
+        @cuda.jit
+        def router_topk_v2_slots(logits, norm, ids, weights, slot_of, slots):
+            body(logits, norm, ids, weights, slot_of, slots)
+        return router_topk_v2_slots
+
+    @cuda.jit
+    def router_topk_v2(logits, norm, ids, weights):
+        body(logits, norm, ids, weights, ids[0], ids)   # the slot arguments unused
+    return router_topk_v2
+
+
+_ROUTER_V2 = {}
+
+
+def router_topk_v2_kernel(e: int, slots: bool):
+    """The compiled-on-first-launch "v2" router kernel for e experts (with the slot table)."""
+    key = (cdiv(e, WARP), bool(slots))
+    if key not in _ROUTER_V2:
+        _ROUTER_V2[key] = _make_router_topk_v2(*key)
+    return _ROUTER_V2[key]
+
+
+def router_topk(logits, norm_topk_prob, ids, weights, stream, slots=None, variant=None):
     """slots = (slot_of int32 [E], out int32 [T, K]): also out = slot_of[ids], the bank slot of
-    each routed expert (the all-resident decode's slot table, without a launch of its own)."""
+    each routed expert (the all-resident decode's slot table, without a launch of its own).
+    variant: one of ROUTER_VARIANTS (default ROUTER_VARIANT); v2 with K > 32 runs base."""
     t, e = logits.shape
+    k = ids.shape[1]
     if e > ROUTER_MAX_E:
         raise ValueError(f"{e} experts exceed ROUTER_MAX_E={ROUTER_MAX_E}")
+    if k > e or weights.shape != ids.shape or ids.shape[0] != t:
+        raise ValueError(f"router_topk: ids {ids.shape}, weights {weights.shape} for logits "
+                         f"{logits.shape} (top-k <= experts)")
+    variant = ROUTER_VARIANT if variant is None else variant
+    if variant not in ROUTER_VARIANTS:
+        raise ValueError(f"unknown router_topk variant {variant!r} (one of {ROUTER_VARIANTS})")
+    v2 = variant == "v2" and k <= WARP
     norm = int32(1 if norm_topk_prob else 0)
     if slots is None:
-        _router_topk[t, WARP, stream](logits, norm, ids, weights)
+        kern = router_topk_v2_kernel(e, False) if v2 else _router_topk
+        kern[t, WARP, stream](logits, norm, ids, weights)
         return
     slot_of, out = slots
     if slot_of.shape != (e,) or out.shape != ids.shape:
         raise ValueError(f"router_topk slots: table {slot_of.shape} for {e} experts, out "
                          f"{out.shape} for ids {ids.shape}")
-    _router_topk_slots[t, WARP, stream](logits, norm, ids, weights, slot_of, out)
+    kern = router_topk_v2_kernel(e, True) if v2 else _router_topk_slots
+    kern[t, WARP, stream](logits, norm, ids, weights, slot_of, out)
 
 
 @cuda.jit

@@ -243,9 +243,12 @@ def check_norm_rope_embed(rng, t, nh, d, r, hidden, vocab):
     _close(o.copy_to_host(), a + b, tol=0, what="add")
 
 
-def check_qk_norm_rope(rng, t, hq, hkv, d, r, w_offset=0.0, scaling=1.0, store=False):
+def check_qk_norm_rope(rng, t, hq, hkv, d, r, w_offset=0.0, scaling=1.0, store=False,
+                       variant=None, max_pos=40000):
     """gd.qk_norm_rope (one launch) against rmsnorm then rope of the reference, q and k; with
-    store, also the fused kv_store: k and v at their rows of a poisoned cache, the rest left."""
+    store, also the fused kv_store: k and v at their rows of a poisoned cache, the rest left.
+    variant: one of gd.QKR_VARIANTS (None: the default); positions below max_pos (store: the
+    cache rows, t + 5 of them)."""
     from kernels_numba import gpu_dense as gd
     stream = cuda.stream()
     q = rng.standard_normal((t, hq, d)).astype(np.float32)
@@ -255,16 +258,17 @@ def check_qk_norm_rope(rng, t, hq, hkv, d, r, w_offset=0.0, scaling=1.0, store=F
     wk = (rng.standard_normal(d) * 0.1).astype(np.float32)
     s_max = t + 5
     pos = (rng.permutation(s_max)[:t] if store
-           else rng.integers(0, 40000, size=t)).astype(np.int32)
+           else rng.integers(0, max_pos, size=t)).astype(np.int32)
     inv_freq = (1.0 / (1e6 ** (np.arange(0, r, 2) / r))).astype(np.float32)
     dq, dk = cuda.to_device(q), cuda.to_device(k)
     kc, vc = _nan((s_max, hkv, d)), _nan((s_max, hkv, d))
     gd.qk_norm_rope(dq, dk, cuda.to_device(wq), cuda.to_device(wk), 1e-6, cuda.to_device(pos),
                     cuda.to_device(inv_freq), scaling, stream, w_offset=w_offset,
-                    cache=(cuda.to_device(v), kc, vc) if store else None)
+                    cache=(cuda.to_device(v), kc, vc) if store else None, variant=variant)
     stream.synchronize()
     errs = []
-    what = f"D={d} R={r} offset={w_offset} store={store}"
+    what = (f"{variant or gd.QKR_VARIANT} T={t} Hq={hq} Hkv={hkv} D={d} R={r} "
+            f"offset={w_offset} store={store}")
     for got, x, w, name in ((dq, q, wq, "q"), (dk, k, wk, "k")):
         exp = ref.rope(ref.rmsnorm(x, w + np.float32(w_offset), 1e-6), pos, inv_freq, scaling)
         errs.append(_close(got.copy_to_host(), exp, what=f"qk_norm_rope {name} {what}"))
@@ -316,6 +320,59 @@ def check_attention(rng, s_max, hq, hkv, d, split, t_prefill, window, variant=No
             errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win),
                                what=f"prefill attention {kind} window={win} {var}"))
     return max(errs)
+
+
+def check_router_topk(rng, t, e, k):
+    """gs.router_topk, every variant, against the oracle: random logits, logits on a few levels
+    (ties: the lower index first), and (v2) rows with fewer finite logits than K (the -inf ones
+    in index order, ids distinct); the variants' weights equal bit for bit (same sums in the
+    same order); the slot table path gives the same ids and weights and slot_of[ids]. NaN
+    logits (one row all NaN): ids in range (v2: distinct)."""
+    from kernels_numba import gpu_sampling as gs
+    stream = cuda.stream()
+    slot_of = rng.permutation(3 * e)[:e].astype(np.int32)
+    dso = cuda.to_device(slot_of)
+    lv = rng.standard_normal((t, e)).astype(np.float32)
+    few = np.full((t, e), -np.inf, np.float32)           # k // 2 finite logits a row
+    for row in few:
+        row[rng.choice(e, size=k // 2, replace=False)] = rng.standard_normal(k // 2)
+    cases = [("random", lv, gs.ROUTER_VARIANTS),
+             ("ties", rng.integers(-2, 3, size=(t, e)).astype(np.float32), gs.ROUTER_VARIANTS),
+             ("-inf", few, ("v2",) if k <= 32 else ())]   # base repeats ids there
+    for name, logits, variants in cases:
+        if not variants:
+            continue
+        dl = cuda.to_device(logits)
+        for norm in (True, False):
+            eids, ew = ref.router_topk(logits, k, norm)
+            got_w = {}
+            for variant in variants:
+                what = f"router_topk {variant} {name} T={t} E={e} K={k} norm={norm}"
+                ids, w = _nan((t, k), np.int32), _nan((t, k))
+                gs.router_topk(dl, norm, ids, w, stream, variant=variant)
+                ids2, w2, sl = _nan((t, k), np.int32), _nan((t, k)), _nan((t, k), np.int32)
+                gs.router_topk(dl, norm, ids2, w2, stream, slots=(dso, sl), variant=variant)
+                stream.synchronize()
+                ih, wh = ids.copy_to_host(), w.copy_to_host()
+                assert np.array_equal(ih, eids), f"{what}: ids {ih} != {eids}"
+                _close(wh, ew, what=what + " weights")
+                assert np.array_equal(ids2.copy_to_host(), ih), what + ": ids (slots)"
+                assert np.array_equal(w2.copy_to_host(), wh), what + ": weights (slots)"
+                assert np.array_equal(sl.copy_to_host(), slot_of[ih]), what + ": slots"
+                got_w[variant] = wh
+            assert all(np.array_equal(a, got_w[variants[0]]) for a in got_w.values()), \
+                f"router_topk {name}: the variants' weights differ"
+    bad = rng.standard_normal((t, e)).astype(np.float32)
+    bad[:, rng.choice(e, size=max(1, e // 8), replace=False)] = np.nan
+    bad[0] = np.nan                                       # a row of NaN: still K ids
+    for variant in gs.ROUTER_VARIANTS:
+        ids, w = _nan((t, k), np.int32), _nan((t, k))
+        gs.router_topk(cuda.to_device(bad), True, ids, w, stream, variant=variant)
+        stream.synchronize()
+        ih = ids.copy_to_host()
+        assert ((ih >= 0) & (ih < e)).all(), f"router_topk {variant} NaN logits: ids {ih}"
+        if variant == "v2" and k <= 32:
+            assert all(len(set(row)) == k for row in ih), f"router_topk v2 NaN: repeats {ih}"
 
 
 def check_router_sampling(rng, t, e, k, vocab):
@@ -411,9 +468,17 @@ def run_sim_checks() -> None:
     print(f"ok dense {time.time() - t0:.0f}s", flush=True)
     check_norm_rope_embed(rng, t=2, nh=2, d=16, r=8, hidden=40, vocab=11)
     print(f"ok norm/rope/embed {time.time() - t0:.0f}s", flush=True)
-    check_qk_norm_rope(rng, t=2, hq=3, hkv=2, d=16, r=16)
-    check_qk_norm_rope(rng, t=1, hq=2, hkv=1, d=40, r=8, w_offset=1.0, scaling=0.9)
-    check_qk_norm_rope(rng, t=3, hq=4, hkv=2, d=16, r=8, store=True)
+    for variant in ("base", "v2"):
+        check_qk_norm_rope(rng, t=2, hq=3, hkv=2, d=16, r=16, variant=variant)
+        check_qk_norm_rope(rng, t=1, hq=2, hkv=1, d=40, r=8, w_offset=1.0, scaling=0.9,
+                           variant=variant)
+        check_qk_norm_rope(rng, t=3, hq=4, hkv=2, d=16, r=8, store=True, variant=variant)
+    # v2 (one warp a head): rotary pairs over two chunks of a lane and dims past R over two
+    # (D 136, R 80), R/2 not a multiple of 32 (R 24 of 72), positions up to 1e6, store at T > 1
+    check_qk_norm_rope(rng, t=2, hq=2, hkv=1, d=136, r=80, max_pos=1_000_000)
+    check_qk_norm_rope(rng, t=1, hq=3, hkv=1, d=72, r=24, w_offset=1.0, scaling=1.1,
+                       store=True)
+    check_qk_norm_rope(rng, t=4, hq=1, hkv=1, d=32, r=32, store=True)
     print(f"ok qk_norm_rope {time.time() - t0:.0f}s", flush=True)
     check_attention(rng, s_max=20, hq=2, hkv=1, d=8, split=8, t_prefill=5, window=3)
     check_attention(rng, s_max=13, hq=4, hkv=2, d=12, split=2, t_prefill=3, window=4,
@@ -423,6 +488,9 @@ def run_sim_checks() -> None:
     check_attention(rng, s_max=9, hq=2, hkv=2, d=72, split=4, t_prefill=2, window=3,
                     kinds=("f32",))                   # head dim over 2 chunks a lane
     print(f"ok attention {time.time() - t0:.0f}s", flush=True)
+    check_router_topk(rng, t=2, e=10, k=3)            # one logit a lane, most lanes none
+    check_router_topk(rng, t=1, e=40, k=8)            # lanes of one and two logits
+    check_router_topk(rng, t=2, e=130, k=6)           # E > 128: five a lane, the last partial
     check_router_sampling(rng, t=2, e=10, k=3, vocab=50)
     print(f"ok router/sampling {time.time() - t0:.0f}s", flush=True)
     print("SIM CHECKS PASSED", flush=True)
@@ -507,13 +575,18 @@ def test_norm_rope_embed_gpu():
 
 @pytest.mark.gpu
 @gpu
-def test_qk_norm_rope_gpu():
+@pytest.mark.parametrize("variant", ["base", "v2"])
+def test_qk_norm_rope_gpu(variant):
     rng = np.random.default_rng(7)
-    check_qk_norm_rope(rng, t=1, hq=32, hkv=4, d=128, r=128)
-    check_qk_norm_rope(rng, t=7, hq=16, hkv=2, d=256, r=64, w_offset=1.0)
-    check_qk_norm_rope(rng, t=40, hq=32, hkv=4, d=128, r=128, scaling=1.2)
-    check_qk_norm_rope(rng, t=1, hq=32, hkv=4, d=128, r=128, store=True)
-    check_qk_norm_rope(rng, t=9, hq=16, hkv=2, d=256, r=64, w_offset=1.0, store=True)
+    check_qk_norm_rope(rng, t=1, hq=32, hkv=4, d=128, r=128, variant=variant)
+    check_qk_norm_rope(rng, t=7, hq=16, hkv=2, d=256, r=64, w_offset=1.0, variant=variant)
+    check_qk_norm_rope(rng, t=40, hq=32, hkv=4, d=128, r=128, scaling=1.2, variant=variant)
+    check_qk_norm_rope(rng, t=1, hq=32, hkv=4, d=128, r=128, store=True, variant=variant)
+    check_qk_norm_rope(rng, t=9, hq=16, hkv=2, d=256, r=64, w_offset=1.0, store=True,
+                       variant=variant)
+    check_qk_norm_rope(rng, t=5, hq=32, hkv=4, d=128, r=128, max_pos=1_000_000,
+                       variant=variant)
+    check_qk_norm_rope(rng, t=3, hq=8, hkv=2, d=80, r=40, store=True, variant=variant)
 
 
 @pytest.mark.gpu
@@ -533,6 +606,16 @@ def test_attention_gpu():
 @gpu
 def test_router_sampling_gpu():
     check_router_sampling(np.random.default_rng(6), t=4, e=512, k=10, vocab=151936)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (3, 128, 8), (4, 512, 10), (2, 1024, 8),
+                                   (2, 60, 4), (1, 100, 40)])
+def test_router_topk_gpu(t, e, k):
+    """Qwen3-30B-A3B's router at decode and prefill, 512 and 1024 experts, E not a multiple of
+    32, K > 32 (v2 runs base)."""
+    check_router_topk(np.random.default_rng(13), t, e, k)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ the device-to-device copy bandwidth measured in the same run.
 
     python3 tools/sweep_dense.py out.json          # H200: about a minute, compiles included
     python3 tools/sweep_dense.py --ops attention --budget 400 att.json   # decode attention only
+    python3 tools/sweep_dense.py --ops qk_norm_rope,router_topk small.json   # their variants
     NUMBA_ENABLE_CUDASIM=1 python3 tools/sweep_dense.py --sim out.json   # tiny shapes, CPU
 
 One line per (op, shape, variant): microseconds per call, GB/s of the bytes the op must read
@@ -13,6 +14,10 @@ Each variant's output is checked against numpy once (err: max |error| / max |ref
 Attention: every decode variant of gpu_attention (base = the partial + combine kernels; v2 =
 partial2 + combine2; v2f = partial2 merging in its last block, one launch) with its knobs,
 ending with a table of us per call (ratio to copy) per case; "comb" = the combine launch alone.
+qk_norm_rope and router_topk: each variant (gpu_dense.QKR_VARIANTS, gpu_sampling.ROUTER_VARIANTS),
+plain and with its fused extra (the k / v cache store, the slot table), us per launch as 50
+launches replayed in a graph on inputs in L2 (the decode case: the previous launch wrote them);
+qk_norm_rope also against its four separate launches.
 Legend: N x K = weight rows x inner size, T = tokens, S = cache rows, pos = the query position.
 """
 from __future__ import annotations
@@ -33,6 +38,7 @@ from numba import cuda  # noqa: E402
 
 from kernels_numba import gpu_attention as ga  # noqa: E402
 from kernels_numba import gpu_dense as gd  # noqa: E402
+from kernels_numba import gpu_sampling as gs  # noqa: E402
 from kernels_numba import reference as ref  # noqa: E402
 
 BUDGET_S = 85             # stop starting new cases after this long (--budget; default: < 100 s)
@@ -51,6 +57,7 @@ if SIM:
                     dict(variant="v2", split=2, kb=2, warps=1), dict(variant="v2f"),
                     dict(variant="v2f", split=2, splits=3)]
     QKR_CASES = [dict(t=1, hq=2, hkv=1, d=16, r=16)]
+    ROUTER_CASES = [dict(t=1, e=40, k=3)]
 else:
     LIN_SHAPES = [(5120, 2048), (2048, 4096), (4096, 2048), (151936, 2048), (128, 2048),
                   (768, 2048)]
@@ -77,6 +84,9 @@ else:
                     dict(variant="v2f", splits=17, warps=4)]
     QKR_CASES = [dict(t=1, hq=32, hkv=4, d=128, r=128), dict(t=7, hq=32, hkv=4, d=128, r=128),
                  dict(t=1, hq=16, hkv=2, d=256, r=64)]
+    # Qwen3-30B-A3B decode and a prefill chunk, Qwen3-Next (512 experts, top-10)
+    ROUTER_CASES = [dict(t=1, e=128, k=8), dict(t=16, e=128, k=8), dict(t=1, e=512, k=10)]
+REPS_SMALL = 1 if SIM else 50   # qk_norm_rope / router_topk: launches a graph
 
 
 def time_graph_us(fn, stream, calls: int) -> float:
@@ -275,7 +285,8 @@ def attention_table(rows) -> None:
 
 
 def sweep_qk_norm_rope(rows, t_start, stream, rng, bw):
-    """gd.qk_norm_rope (one launch) against rmsnorm(q), rmsnorm(k), rope(q), rope(k)."""
+    """gd.qk_norm_rope (one launch), each variant, without and with the cache store (the
+    engine's call), against rmsnorm(q), rmsnorm(k), rope(q), rope(k)."""
     for case in QKR_CASES:
         t, hq, hkv, d, r = (case[x] for x in ("t", "hq", "hkv", "d", "r"))
         shape = f"T={t} {hq}/{hkv}x{d} R={r}"
@@ -284,45 +295,106 @@ def sweep_qk_norm_rope(rows, t_start, stream, rng, bw):
             continue
         q_h = rng.standard_normal((t, hq, d)).astype(np.float32)
         k_h = rng.standard_normal((t, hkv, d)).astype(np.float32)
+        v_h = rng.standard_normal((t, hkv, d)).astype(np.float32)
         wq_h = (rng.standard_normal(d) * 0.1).astype(np.float32)
         wk_h = (rng.standard_normal(d) * 0.1).astype(np.float32)
-        pos_h = rng.integers(0, 30000, size=t).astype(np.int32)
+        s_max = 4096
+        pos_h = rng.permutation(s_max)[:t].astype(np.int32)
         inv_h = (1.0 / (1e6 ** (np.arange(0, r, 2) / r))).astype(np.float32)
+        wq, wk, pos, inv, v = (cuda.to_device(a) for a in (wq_h, wk_h, pos_h, inv_h, v_h))
+        kc = cuda.device_array((s_max, hkv, d), np.float32)
+        vc = cuda.device_array((s_max, hkv, d), np.float32)
+        reps = REPS_SMALL
+        for variant in gd.QKR_VARIANTS:
+            for store in (False, True):
+                name = variant + (" store" if store else "")
+                cache = (v, kc, vc) if store else None
+                try:
+                    q, k = cuda.to_device(q_h), cuda.to_device(k_h)
+                    gd.qk_norm_rope(q, k, wq, wk, 1e-6, pos, inv, 1.0, stream, w_offset=1.0,
+                                    cache=cache, variant=variant)
+                    stream.synchronize()
+                    err = 0.0
+                    for got, x, w in ((q, q_h, wq_h), (k, k_h, wk_h)):
+                        exp = ref.rope(ref.rmsnorm(x, w + np.float32(1.0), 1e-6), pos_h, inv_h)
+                        err = max(err, float(np.abs(got.copy_to_host() - exp).max()
+                                             / np.abs(exp).max()))
+                    if store:   # exp: k's
+                        err = max(err, float(np.abs(kc.copy_to_host()[pos_h] - exp).max()
+                                             / np.abs(exp).max()))
+
+                    def fused(st, q=q, k=k, cache=cache, variant=variant):
+                        for _ in range(reps):
+                            gd.qk_norm_rope(q, k, wq, wk, 1e-6, pos, inv, 1.0, st, w_offset=1.0,
+                                            cache=cache, variant=variant)
+                    us = time_graph_us(fused, stream, reps)
+                except Exception as e:
+                    rows.append(dict(op="qk_norm_rope", shape=shape, variant=name,
+                                     error=f"{type(e).__name__}: {e}"[:300]))
+                    print(f"qk_norm_rope {shape} {name}: {type(e).__name__}: {e}", flush=True)
+                    continue
+                rows.append(dict(op="qk_norm_rope", shape=shape, variant=name, us=us, err=err))
+                print(f"qk_norm_rope {shape:24s} {name:12s} {us:6.2f} us  err {err:.1e}",
+                      flush=True)
         q, k = cuda.to_device(q_h), cuda.to_device(k_h)
-        wq, wk, pos, inv = (cuda.to_device(a) for a in (wq_h, wk_h, pos_h, inv_h))
-        try:
-            gd.qk_norm_rope(q, k, wq, wk, 1e-6, pos, inv, 1.0, stream, w_offset=1.0)
-            stream.synchronize()
-            err = 0.0
-            for got, x, w in ((q, q_h, wq_h), (k, k_h, wk_h)):
-                exp = ref.rope(ref.rmsnorm(x, w + np.float32(1.0), 1e-6), pos_h, inv_h)
-                err = max(err, float(np.abs(got.copy_to_host() - exp).max() / np.abs(exp).max()))
-            reps = 1 if SIM else 50
-            q2, k2 = q.reshape(t * hq, d), k.reshape(t * hkv, d)
+        q2, k2 = q.reshape(t * hq, d), k.reshape(t * hkv, d)
 
-            def fused(st):
-                for _ in range(reps):
-                    gd.qk_norm_rope(q, k, wq, wk, 1e-6, pos, inv, 1.0, st, w_offset=1.0)
+        def separate(st):
+            for _ in range(reps):
+                gd.rmsnorm(q2, wq, 1e-6, q2, st, w_offset=1.0)
+                gd.rmsnorm(k2, wk, 1e-6, k2, st, w_offset=1.0)
+                gd.rope(q, pos, inv, st)
+                gd.rope(k, pos, inv, st)
+        us_s = time_graph_us(separate, stream, reps)
+        rows.append(dict(op="qk_norm_rope", shape=shape, variant="4 launches", us=us_s))
+        print(f"qk_norm_rope {shape:24s} {'4 launches':12s} {us_s:6.2f} us", flush=True)
 
-            def separate(st):
-                for _ in range(reps):
-                    gd.rmsnorm(q2, wq, 1e-6, q2, st, w_offset=1.0)
-                    gd.rmsnorm(k2, wk, 1e-6, k2, st, w_offset=1.0)
-                    gd.rope(q, pos, inv, st)
-                    gd.rope(k, pos, inv, st)
-            us_f = time_graph_us(fused, stream, reps)
-            us_s = time_graph_us(separate, stream, reps)
-        except Exception as e:
-            rows.append(dict(op="qk_norm_rope", shape=shape,
-                             error=f"{type(e).__name__}: {e}"[:300]))
-            print(f"qk_norm_rope {shape}: {type(e).__name__}: {e}", flush=True)
+
+def sweep_router_topk(rows, t_start, stream, rng, bw):
+    """gs.router_topk, each variant, without and with the slot table (the all-resident
+    decode's call); ids must match the oracle's (err: weights, max |error| / max |ref|)."""
+    for case in ROUTER_CASES:
+        t, e, k = (case[x] for x in ("t", "e", "k"))
+        shape = f"T={t} E={e} K={k}"
+        if time.time() - t_start > BUDGET_S:
+            rows.append(dict(op="router_topk", shape=shape, skipped="time budget"))
             continue
-        rows.append(dict(op="qk_norm_rope", shape=shape, us=us_f, separate_us=us_s, err=err))
-        print(f"qk_norm_rope {shape:24s} fused {us_f:6.2f} us   4 launches {us_s:6.2f} us  "
-              f"err {err:.1e}", flush=True)
+        logits_h = rng.standard_normal((t, e)).astype(np.float32)
+        eids, ew = ref.router_topk(logits_h, k, True)
+        logits = cuda.to_device(logits_h)
+        slot_of = cuda.to_device(rng.permutation(e).astype(np.int32))
+        ids = cuda.device_array((t, k), np.int32)
+        w = cuda.device_array((t, k), np.float32)
+        out = cuda.device_array((t, k), np.int32)
+        reps = REPS_SMALL
+        for variant in gs.ROUTER_VARIANTS:
+            for with_slots in (False, True):
+                name = variant + (" slots" if with_slots else "")
+                slots = (slot_of, out) if with_slots else None
+                try:
+                    ids.copy_to_device(np.full((t, k), -1, np.int32))
+                    gs.router_topk(logits, True, ids, w, stream, slots=slots, variant=variant)
+                    stream.synchronize()
+                    ids_ok = bool(np.array_equal(ids.copy_to_host(), eids))
+                    err = float(np.abs(w.copy_to_host() - ew).max() / np.abs(ew).max())
+
+                    def run(st, slots=slots, variant=variant):
+                        for _ in range(reps):
+                            gs.router_topk(logits, True, ids, w, st, slots=slots,
+                                           variant=variant)
+                    us = time_graph_us(run, stream, reps)
+                except Exception as ex:
+                    rows.append(dict(op="router_topk", shape=shape, variant=name,
+                                     error=f"{type(ex).__name__}: {ex}"[:300]))
+                    print(f"router_topk {shape} {name}: {type(ex).__name__}: {ex}", flush=True)
+                    continue
+                rows.append(dict(op="router_topk", shape=shape, variant=name, us=us, err=err,
+                                 ids_ok=ids_ok))
+                print(f"router_topk {shape:18s} {name:12s} {us:6.2f} us  err {err:.1e}"
+                      + ("" if ids_ok else "  IDS DIFFER"), flush=True)
 
 
-OPS = ("linear", "qk_norm_rope", "attention")
+OPS = ("linear", "qk_norm_rope", "router_topk", "attention")
 
 
 def parse_args(argv):
@@ -358,7 +430,7 @@ def main() -> None:
     res = dict(device=dev, copy_gbs=bw, sim=SIM, rows=[])
     try:
         for op, fn in (("linear", sweep_linear), ("qk_norm_rope", sweep_qk_norm_rope),
-                       ("attention", sweep_attention)):
+                       ("router_topk", sweep_router_topk), ("attention", sweep_attention)):
             if op in args.ops:
                 fn(res["rows"], t_start, stream, rng, bw)
     finally:
