@@ -49,8 +49,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from .gpu_util import (FULL_MASK, M32, NEG_INF, SIM, WARP, block_max, block_sum, cdiv,
-                        int_as_float, warp_max, warp_sum, warp_sync)
+from .gpu_util import (FULL_MASK, M32, NEG_INF, SIM, WARP, aligned, block_max, block_sum, cdiv,
+                        int_as_float, ld2, ld4, ld4cg, warp_max, warp_sum, warp_sync)
 
 ATT_WARPS = 2 if SIM else 4   # partial: warps a block
 KB = 2                        # partial: keys a warp scores at once (H200 sweep: 2 beats 4, 8)
@@ -411,18 +411,6 @@ _SMS = []                     # the device's SM count, read once
 
 if SIM:
     @cuda.jit(device=True)
-    def _ld4(a, i, j, k):
-        """a[i, j, k:k + 4] (16 bytes; ld.global.nc on the GPU)."""
-        return a[i, j, k], a[i, j, k + 1], a[i, j, k + 2], a[i, j, k + 3]
-
-    @cuda.jit(device=True)
-    def _ld2(a, i, j, k):
-        """a[i, j, k:k + 2] (8 bytes; ld.global.nc on the GPU)."""
-        return a[i, j, k], a[i, j, k + 1]
-
-    _ld4cg = _ld4
-
-    @cuda.jit(device=True)
     def _shfl_xor(v, off, red):
         """v of lane ^ off: every thread of the block must call. red float32 [3 * threads]: two
         exchange buffers used in turn (one barrier a call: a thread writes a buffer again only
@@ -437,47 +425,6 @@ if SIM:
         cuda.syncthreads()
         return red[base + (tid ^ off)]
 else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
-
-    def _make_ld(width, cop, ordered):
-        """a[i, j, k:k + width] of a 3-D float32 / uint32 array as one vector load
-        (ld.global.<cop>.v<width>); the address must be 4 * width byte aligned. ordered: an asm
-        with side effects, so LLVM keeps it after the fence that publishes what it reads."""
-        @intrinsic
-        def ld(typingctx, a, i, j, k):
-            if not (isinstance(a, types.Array) and a.ndim == 3
-                    and a.dtype in (types.float32, types.uint32)):
-                return None
-            sig = types.UniTuple(a.dtype, width)(a, i, j, k)
-
-            def codegen(context, builder, sig, args):
-                aty = sig.args[0]
-                arr = context.make_array(aty)(context, builder, value=args[0])
-                idx = [context.cast(builder, v, ty, types.intp)
-                       for v, ty in zip(args[1:], sig.args[1:])]
-                ptr = cgutils.get_item_pointer(context, builder, aty, arr, idx)
-                fl = aty.dtype == types.float32
-                elt = context.get_value_type(aty.dtype)
-                fnty = ir.FunctionType(ir.LiteralStructType([elt] * width), [ptr.type])
-                regs = ",".join(f"${x}" for x in range(width))
-                cons = ",".join(["=f" if fl else "=r"] * width) + ",l"
-                asm = ir.InlineAsm(
-                    fnty, f"ld.global.{cop}.v{width}.{'f32' if fl else 'u32'} {{{regs}}}, "
-                    f"[${width}];", cons + (",~{memory}" if ordered else ""),
-                    side_effect=ordered)
-                res = builder.call(asm, [ptr])
-                return context.make_tuple(builder, sig.return_type,
-                                          [builder.extract_value(res, x) for x in range(width)])
-            return sig, codegen
-        return ld
-
-    _ld4 = _make_ld(4, "nc", False)      # cache rows, q: read-only in the kernel
-    _ld2 = _make_ld(2, "nc", False)
-    _ld4cg = _make_ld(4, "cg", True)     # pieces other blocks wrote (L2, after the ticket)
-
     @cuda.jit(device=True, inline=True)
     def _shfl_xor(v, off, red):
         return cuda.shfl_xor_sync(FULL_MASK, v, off)
@@ -486,7 +433,7 @@ else:
 @cuda.jit(device=True, inline=True)
 def _get_f32(a, j, h, c, buf, o):
     """Chunk c (4 values, 16 bytes) of row (j, h) of an fp32 cache -> buf[o:o + 4]."""
-    x0, x1, x2, x3 = _ld4(a, j, h, 4 * c)
+    x0, x1, x2, x3 = ld4(a, j, h, 4 * c)
     buf[o] = x0
     buf[o + 1] = x1
     buf[o + 2] = x2
@@ -496,7 +443,7 @@ def _get_f32(a, j, h, c, buf, o):
 @cuda.jit(device=True, inline=True)
 def _get_bf16(a, j, h, c, buf, o):
     """Chunk c (4 bf16, 8 bytes) of row (j, h) of a bf16 cache viewed as uint32 -> buf[o:o + 2]."""
-    x0, x1 = _ld2(a, j, h, 2 * c)
+    x0, x1 = ld2(a, j, h, 2 * c)
     buf[o] = x0
     buf[o + 1] = x1
 
@@ -649,7 +596,7 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
         for g in range(G):
             for i in range(NCL):
                 c = i * WARP + lane
-                x0, x1, x2, x3 = _ld4(q, 0, h0 + g, 4 * min(c, nch - 1))
+                x0, x1, x2, x3 = ld4(q, 0, h0 + g, 4 * min(c, nch - 1))
                 f = scale2 if c < nch else float32(0.0)
                 qv[g * C4 + i * 4] = x0 * f
                 qv[g * C4 + i * 4 + 1] = x1 * f
@@ -745,7 +692,7 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
                 a3 = float32(0.0)
                 for p0 in range(0, nu, FU):
                     for u in range(FU):
-                        x0, x1, x2, x3 = _ld4cg(pacc, h0 + g2, min(p0 + u, nu - 1), 4 * c)
+                        x0, x1, x2, x3 = ld4cg(pacc, h0 + g2, min(p0 + u, nu - 1), 4 * c)
                         wb[4 * u] = x0
                         wb[4 * u + 1] = x1
                         wb[4 * u + 2] = x2
@@ -780,7 +727,7 @@ def _make_combine2(NCL):
             pp = min(b0 + u * NWC + w, nu - 1)
             for i in range(NCL):
                 c = min(i * WARP + lane, nch - 1)
-                x0, x1, x2, x3 = _ld4cg(pacc, row, pp, 4 * c)
+                x0, x1, x2, x3 = ld4cg(pacc, row, pp, 4 * c)
                 o = u * C4 + i * 4
                 buf[o] = x0
                 buf[o + 1] = x1
@@ -891,16 +838,6 @@ def _combine2_kernel(d: int):
     return _COMBINE2[ncl]
 
 
-def _aligned(nbytes, *arrays) -> bool:
-    """Every row of the arrays starts on nbytes (the v2 kernels' vector loads of a 4-value
-    chunk: 16 bytes of fp32, 8 of bf16) and is contiguous."""
-    if SIM:
-        return True
-    return all(a.__cuda_array_interface__["data"][0] % nbytes == 0
-               and a.strides[-1] == a.dtype.itemsize
-               and all(x % nbytes == 0 for x in a.strides[:-1]) for a in arrays)
-
-
 def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb, warps,
                fused, splits):
     """The v2 / v2f decode (see the module doc); False where it does not apply (the caller
@@ -910,8 +847,8 @@ def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb
     g = hq // hkv
     pm, pl, pacc = partials
     kind = "bf16" if kc.dtype == np.uint16 else "f32"
-    if (t != 1 or d % 4 or g > WARP or not _aligned(16, q, pacc)
-            or not _aligned(8 if kind == "bf16" else 16, kc, vc)):
+    if (t != 1 or d % 4 or g > WARP or not aligned(16, q, pacc)
+            or not aligned(8 if kind == "bf16" else 16, kc, vc)):
         return False
     p2 = v2_pieces(kc.shape[0], hkv, pm.shape[1] - 1, fused, split, splits)
     ncl = cdiv(d // 4, WARP)

@@ -5,15 +5,20 @@ nH = heads, D = head dim, R = rotary dims (R <= D), V = vocab.
 Weights are float32 or uint16 bfloat16 bits, row-major [N, K]; activations float32.
 Every launcher takes an explicit stream, allocates nothing and never syncs, so a sequence of
 them can be captured in a CUDA graph; positions and token ids are read from device memory.
+linear has two kernels: the 8-byte path (a lane loads 8 bytes of a weight row at a time; any
+even K) and the 16-byte path (one ld.global.nc.v4 a load, x staged in shared memory; K a
+multiple of 8 bf16 / 4 fp32 values, 16-byte aligned rows), the default at T <= LIN16_T_MAX.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, float64, uint32, uint64
 
-from .gpu_util import M32, SIM, WARP, block_sum, cdiv, int_as_float, warp_sum
+from .gpu_util import (M32, SIM, WARP, aligned, block_sum, cdiv, cp_async4, cp_async_wait,
+                        int_as_float, ld4, ld4_pinned, lds4, warp_sum)
 
 LIN_THREADS = 64 if SIM else 256    # linear: 8 warps a block
 LIN_TT_MAX = 8                       # linear: tokens per pass over the weights (T <= 7 in one)
@@ -21,6 +26,12 @@ LIN_LOADS = 8                        # linear: 8-byte weight loads in flight per
 LIN_WARPS_MIN = 4 if SIM else 2560   # linear: warps wanted in flight (132 SMs x ~20)
 LIN_ROWS2 = 4 if SIM else 2048       # linear: matrices of this many rows take 2 rows a warp
 LIN_ROWS4 = 64 if SIM else 65536     # ... and of this many 4 (the LM head)
+LIN16_THREADS = 64 if SIM else 256   # linear, 16-byte path: a block's threads (default)
+LIN16_BLOCKS_SM = 4                  # ... blocks an SM the registers must allow (<= 64 a thread)
+LIN16_LOADS = 8                      # ... 16-byte weight loads in flight a lane (U * R)
+LIN16_WARPS = 4 if SIM else 4224     # ... warps resident at once (132 SMs x 32 at 64 registers)
+LIN16_T_MAX = 1                      # ... taken by default for T <= this (else the 8-byte path)
+LIN16_XS_BYTES = 1024 if SIM else 32768   # ... x (and g) staged in shared memory up to this
 NORM_THREADS = 64 if SIM else 128    # rmsnorm: one warp per row
 NORM_BLOCK = 64 if SIM else 512      # rmsnorm of long rows: one block per row
 NORM_BLOCK_MIN = 32 if SIM else 1024
@@ -91,6 +102,7 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False):
     UR = U * R
     XT = TT * cw
     DB = LIN_DOUBLE_BUFFER
+    finish = _make_finish(R, TT, KS, LIN_THREADS, ACC, NORM, HOUT, False)
 
     @cuda.jit(device=True, inline=True)
     def body(w64, x64, y, g, eps, w_offset, h_out):
@@ -164,36 +176,8 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False):
                                     for c in range(cw):
                                         s += wv[c] * xv[q * cw + c]
                                     acc[r * TT + q] += s
-            if NORM:   # after the weights: the block's loads do not wait for the norm
-                _norm_pass(x64, t0, nt, eps, inv, red, part, TT, NW)
-                if HOUT:
-                    _norm_store(x64, t0, nt, g, w_offset, inv, h_out, TT)
-                for r in range(R):
-                    for q in range(TT):
-                        acc[r * TT + q] *= inv[q]
-            for i in range(RT):
-                acc[i] = warp_sum(acc[i], red)
-            if KS > 1:
-                if lane == 0:
-                    for i in range(RT):
-                        part[warp, i] = acc[i]
-                cuda.syncthreads()
-                if lane == 0 and ks == 0:
-                    for i in range(RT):
-                        s = acc[i]
-                        for o in range(1, KS):
-                            s += part[warp + o, i]
-                        acc[i] = s
-                cuda.syncthreads()
-            if lane == 0 and ks == 0:
-                for r in range(R):
-                    if n0 + r < N:
-                        for q in range(TT):
-                            if q < nt:
-                                if ACC:
-                                    y[t0 + q, n0 + r] += acc[r * TT + q]
-                                else:
-                                    y[t0 + q, n0 + r] = acc[r * TT + q]
+            finish(acc, inv, red, part, x64, x64, t0, nt, g, eps, w_offset, h_out, y, N, n0,
+                   lane, warp, ks)
 
     if NORM:
         @cuda.jit
@@ -207,10 +191,220 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False):
     return linear
 
 
+class Wide(NamedTuple):
+    """A launch shape of the 16-byte matvec: linear(config=Wide(...))."""
+    r: int                              # rows a warp group
+    ks: int                             # warps a row (they split its chunks)
+    u: int                              # 16-byte loads in flight a row and lane
+    threads: int = LIN16_THREADS        # a block
+    blocks_sm: int = LIN16_BLOCKS_SM    # launch bound: registers a thread <= 65536 /
+                                        # (threads * blocks_sm); 0: no bound
+
+
+def _make_linear16(BF, R, KS, U, TT, NT, BSM, XS, EXACT, ACC=False, NORM=False, HOUT=False):
+    """Matvec kernel whose lanes load 16 bytes a weight load (one ld.global.nc.v4: a "chunk" of
+    8 bf16 or 4 fp32 values); BF: bf16 weights as uint32 words (two values each), else fp32.
+
+    Laid out as _make_linear's kernel: a block of NT threads is NW = NT / 32 warps in NW / KS
+    groups; a group owns R consecutive rows and its KS warps split a row's chunks lane-
+    interleaved (each load instruction of a warp reads 512 contiguous bytes). A lane issues
+    its U * R weight loads, then uses them; a chunk's R rows are decoded once and each
+    token's x values of the chunk serve the R rows. Tokens go in passes of TT.
+    XS: right after its first weight loads the block copies the pass's TT rows of x (and g)
+    into shared memory with cp.async (no registers held), and reads x from there. This is what
+    keeps the weight loads together: ptxas schedules a global x load like a weight load and,
+    short of registers, interleaves them (sm_90: 4 of 8 weight loads issued, then a stall on
+    the first); a shared load it places next to its use. Without XS (TT * K too large) x is
+    read through L1 with 16-byte loads, and the weight loads are not all issued first.
+    EXACT: a row's chunks are a multiple of 32 * KS * U, so no load is clamped (one address
+    and immediate offsets); otherwise the loads past the row's end read its last chunk and
+    their sums are dropped. From the loads to the sums there is no branch around a use (a
+    select drops what is not wanted): ptxas sinks a load into the branch that uses it.
+    NORM / HOUT as in _make_linear: the block's norm reduction after its weight loads, inv_rms
+    scaling the sums; g + w_offset scales the decoded weights (W (g x) = (W g) x up to
+    rounding).
+    launch_bounds (NT, BSM) caps the registers so that BSM blocks fit an SM: BSM * NT * U * R
+    * 16 bytes in flight an SM (4 x 256 x 8 x 16 = 128 KB at the defaults)."""
+    CW = 8 if BF else 4                # values a chunk
+    NW = NT // WARP
+    NG = NW // KS
+    STEP = WARP * KS
+    RT = R * TT                        # (array sizes must be plain constants for numba)
+    UR4 = U * R * 4
+    RC = R * CW
+    H4 = CW // 4                       # 16-byte x loads a chunk and token
+    WT = uint32 if BF else float32
+    finish = _make_finish(R, TT, KS, NT, ACC, NORM, HOUT, XS)
+    kernel = cuda.jit if SIM or not BSM else cuda.jit(launch_bounds=(NT, BSM))
+
+    @cuda.jit(device=True, inline=True)
+    def body(w, x, x64, y, g, eps, w_offset, h_out):
+        """w uint32 [N, K / 2] (bf16 pairs) or float32 [N, K], x float32 [T, K] (x64 the same
+        bytes as uint64 [T, K / 2], for the norm) -> y float32 [T, N]; grid cdiv(N, NG * R),
+        XS: (TT + NORM) * K * 4 bytes of dynamic shared memory. NORM: g float32 [K], h_out
+        float32 [T, K] (HOUT). w, x, g rows 16-byte aligned."""
+        red = cuda.shared.array(NT, float32)
+        part = cuda.shared.array((NW, RT), float32)      # per-warp sums when KS > 1
+        if SIM:                                          # XS: [TT (+ 1), K], x (and g)
+            xs = cuda.shared.array(0, float32)
+        else:
+            xs = cuda.shared.array(0, float32, alignment=16)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        grp = warp // KS
+        ks = warp - grp * KS
+        n0 = (cuda.blockIdx.x * NG + grp) * R
+        N = w.shape[0]
+        nch = w.shape[1] // 4
+        T, K = x.shape
+        wq = cuda.local.array(UR4, WT)                   # the loaded chunks, 4 words each
+        wv = cuda.local.array(RC, float32)               # one chunk of the R rows, decoded
+        acc = cuda.local.array(RT, float32)
+        inv = cuda.local.array(TT, float32)              # NORM: 1 / rms of the pass's rows
+        for t0 in range(0, T, TT):
+            nt = min(TT, T - t0)
+            for i in range(RT):
+                acc[i] = float32(0.0)
+            for j0 in range(0, nch, STEP * U):           # the same trip count block-wide
+                jb = j0 + ks * WARP + lane
+                for u in range(U):                       # U * R loads issued, then used
+                    jj = 4 * (jb + u * STEP if EXACT else min(jb + u * STEP, nch - 1))
+                    for r in range(R):
+                        a0, a1, a2, a3 = ld4_pinned(w, min(n0 + r, N - 1), jj)
+                        o = (u * R + r) * 4
+                        wq[o] = a0
+                        wq[o + 1] = a1
+                        wq[o + 2] = a2
+                        wq[o + 3] = a3
+                if XS and j0 == 0:                       # while the first loads are in flight
+                    _stage_x(x, t0, nt, g, xs, NT, TT, NORM)
+                    cp_async_wait()
+                    cuda.syncthreads()
+                for u in range(U):
+                    j = jb + u * STEP
+                    on = EXACT or j < nch
+                    jc = j if EXACT else min(j, nch - 1)
+                    for r in range(R):
+                        o = (u * R + r) * 4
+                        for e in range(4):
+                            if BF:
+                                b = wq[o + e]
+                                wv[r * CW + 2 * e] = int_as_float((b & _XFFFF) << _S16)
+                                wv[r * CW + 2 * e + 1] = int_as_float(b & _XFFFF0000)
+                            else:
+                                wv[r * CW + e] = wq[o + e]
+                    if NORM:
+                        for h in range(H4):
+                            if XS:
+                                g0, g1, g2, g3 = lds4(xs, TT * K + CW * jc + 4 * h)
+                            else:
+                                g0, g1, g2, g3 = ld4(g, CW * jc + 4 * h)
+                            for r in range(R):
+                                c = r * CW + 4 * h
+                                wv[c] *= g0 + w_offset
+                                wv[c + 1] *= g1 + w_offset
+                                wv[c + 2] *= g2 + w_offset
+                                wv[c + 3] *= g3 + w_offset
+                    for q in range(TT):
+                        use = on & (q < nt)
+                        for h in range(H4):
+                            if XS:
+                                x0, x1, x2, x3 = lds4(xs, q * K + CW * jc + 4 * h)
+                            else:
+                                x0, x1, x2, x3 = ld4(x, min(t0 + q, T - 1), CW * jc + 4 * h)
+                            for r in range(R):
+                                c = r * CW + 4 * h
+                                d = (wv[c] * x0 + wv[c + 1] * x1 + wv[c + 2] * x2
+                                     + wv[c + 3] * x3)
+                                acc[r * TT + q] += d if use else float32(0.0)
+            finish(acc, inv, red, part, x64, xs, t0, nt, g, eps, w_offset, h_out, y, N, n0,
+                   lane, warp, ks)
+            if XS:
+                cuda.syncthreads()                       # xs is restaged by the next pass
+
+    if NORM:
+        @kernel
+        def linear16_norm(w, x, x64, y, g, eps, w_offset, h_out):
+            body(w, x, x64, y, g, eps, w_offset, h_out)
+        return linear16_norm
+
+    @kernel
+    def linear16(w, x, y):
+        body(w, x, x, y, y[0], float32(0.0), float32(0.0), y)   # the norm arguments unused
+    return linear16
+
+
 @cuda.jit(device=True, inline=True)
-def _norm_pass(x64, t0, nt, eps, inv, red, part, TT, NW):
-    """inv[q] = 1 / rms(x[t0 + q]) for q < nt, to every thread of the block (a block reduction,
-    the sum in part[:, :TT]; rmsnorm's formula). Called by every thread."""
+def _stage_x(x, t0, nt, g, xs, NT, TT, NORM):
+    """xs[q * K:(q + 1) * K] = x[t0 + q] for q < nt (the pass's rows; rows nt..TT - 1 are left
+    as they are, their sums dropped) and (NORM) xs[TT * K:(TT + 1) * K] = g, copied 16 bytes at
+    a time by the NT threads of the block with cp.async: no registers held while in flight
+    (the block's weight loads hold them). The caller waits and syncs."""
+    K = x.shape[1]
+    k4 = K // 4
+    for q in range(TT):
+        if q < nt:
+            for i in range(cuda.threadIdx.x, k4, NT):
+                cp_async4(xs, q * K + 4 * i, x, t0 + q, 4 * i)
+    if NORM:
+        for i in range(cuda.threadIdx.x, k4, NT):
+            cp_async4(xs, TT * K + 4 * i, g, 4 * i)
+
+
+def _make_finish(R, TT, KS, NT, ACC, NORM, HOUT, XS):
+    """The end of a matvec pass, shared by both paths: (NORM) the block's norm reduction (over
+    x staged in shared memory xs with XS, else over x64), h_out, the sums scaled by inv_rms;
+    the lanes' sums reduced over the warp, then (KS > 1) over the KS warps of a row in shared
+    memory; y[t0:t0 + nt, n0:n0 + R] written (ACC: added to). Called by every thread of the
+    block; acc float32 [R * TT] local, inv float32 [TT] local, red float32 shared [NT], part
+    float32 shared [NT / 32, R * TT]."""
+    NW = NT // WARP
+    RT = R * TT
+
+    @cuda.jit(device=True, inline=True)
+    def finish(acc, inv, red, part, x64, xs, t0, nt, g, eps, w_offset, h_out, y, N, n0, lane,
+               warp, ks):
+        if NORM:   # after the weights: the block's loads do not wait for the norm
+            if XS:
+                _norm_pass_xs(xs, x64.shape[1] * 2, nt, eps, inv, red, part, TT, NW, NT)
+            else:
+                _norm_pass(x64, t0, nt, eps, inv, red, part, TT, NW, NT)
+            if HOUT:
+                _norm_store(x64, t0, nt, g, w_offset, inv, h_out, TT, NT)
+            for r in range(R):
+                for q in range(TT):
+                    acc[r * TT + q] *= inv[q]
+        for i in range(RT):
+            acc[i] = warp_sum(acc[i], red)
+        if KS > 1:
+            if lane == 0:
+                for i in range(RT):
+                    part[warp, i] = acc[i]
+            cuda.syncthreads()
+            if lane == 0 and ks == 0:
+                for i in range(RT):
+                    s = acc[i]
+                    for o in range(1, KS):
+                        s += part[warp + o, i]
+                    acc[i] = s
+            cuda.syncthreads()
+        if lane == 0 and ks == 0:
+            for r in range(R):
+                if n0 + r < N:
+                    for q in range(TT):
+                        if q < nt:
+                            if ACC:
+                                y[t0 + q, n0 + r] += acc[r * TT + q]
+                            else:
+                                y[t0 + q, n0 + r] = acc[r * TT + q]
+    return finish
+
+
+@cuda.jit(device=True, inline=True)
+def _norm_pass(x64, t0, nt, eps, inv, red, part, TT, NW, NT):
+    """inv[q] = 1 / rms(x[t0 + q]) for q < nt, to every thread of the NT-thread block (a block
+    reduction, the sum in part[:, :TT]; rmsnorm's formula). Called by every thread."""
     tid = cuda.threadIdx.x
     lane = tid % WARP
     warp = tid // WARP
@@ -218,7 +412,7 @@ def _norm_pass(x64, t0, nt, eps, inv, red, part, TT, NW):
     for q in range(TT):
         ss = float32(0.0)
         if q < nt:
-            for j in range(tid, k2, LIN_THREADS):
+            for j in range(tid, k2, NT):
                 xw = x64[t0 + q, j]
                 a = int_as_float(uint32(xw & M32))
                 b = int_as_float(uint32(xw >> 32))
@@ -236,12 +430,37 @@ def _norm_pass(x64, t0, nt, eps, inv, red, part, TT, NW):
 
 
 @cuda.jit(device=True, inline=True)
-def _norm_store(x64, t0, nt, g, w_offset, inv, h_out, TT):
-    """h_out[t0 + q] = x[t0 + q] * inv[q] * (g + w_offset) for q < nt: this block's grid-stride
-    share of the float pairs (blocks write disjoint elements; h_out must not overlap x)."""
+def _norm_pass_xs(xs, K, nt, eps, inv, red, part, TT, NW, NT):
+    """_norm_pass over the pass's rows staged in shared memory, xs[q * K:(q + 1) * K]."""
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    warp = tid // WARP
+    for q in range(TT):
+        ss = float32(0.0)
+        if q < nt:
+            for j in range(tid, K // 4, NT):
+                a, b, c, d = lds4(xs, q * K + 4 * j)
+                ss += a * a + b * b + c * c + d * d
+        ss = warp_sum(ss, red)
+        if lane == 0:
+            part[warp, q] = ss
+    cuda.syncthreads()
+    for q in range(TT):
+        s = float32(0.0)
+        for o in range(NW):
+            s += part[o, q]
+        inv[q] = float32(1.0) / math.sqrt(s / float32(K) + eps)
+    cuda.syncthreads()                 # part is free again (the KS > 1 sums reuse it)
+
+
+@cuda.jit(device=True, inline=True)
+def _norm_store(x64, t0, nt, g, w_offset, inv, h_out, TT, NT):
+    """h_out[t0 + q] = x[t0 + q] * inv[q] * (g + w_offset) for q < nt: this NT-thread block's
+    grid-stride share of the float pairs (blocks write disjoint elements; h_out must not
+    overlap x)."""
     k2 = x64.shape[1]
-    i0 = cuda.blockIdx.x * LIN_THREADS + cuda.threadIdx.x
-    step = cuda.gridDim.x * LIN_THREADS
+    i0 = cuda.blockIdx.x * NT + cuda.threadIdx.x
+    step = cuda.gridDim.x * NT
     for q in range(TT):
         if q < nt:
             for j in range(i0, k2, step):
@@ -286,6 +505,67 @@ def linear_config(n: int, k: int, t: int, cw: int = 4) -> tuple[int, int, int]:
         ks *= 2
     u = max(1, min(LIN_LOADS // r, cdiv(k // cw, WARP * ks)))   # no more than a lane's chunks
     return r, ks, u
+
+
+_LINEAR16 = {}
+
+
+def linear16_kernel(kind: str, cfg: Wide, tt: int, xs: bool, exact: bool, acc: bool = False,
+                    norm: bool = False, h_out: bool = False):
+    """The compiled-on-first-launch 16-byte matvec for (weight kind "bf16" / "f32", launch
+    shape, token tile, x staged in shared memory, a row's chunks a multiple of 32 * ks * u (no
+    clamped loads), accumulate into y, RMSNorm of x fused in, the normalised x written)."""
+    key = (kind, tuple(cfg), tt, bool(xs), bool(exact), bool(acc), bool(norm),
+           bool(norm and h_out))
+    if key not in _LINEAR16:
+        if cfg.threads % WARP or (cfg.threads // WARP) % cfg.ks:
+            raise ValueError(f"linear: {cfg.ks} warps per row do not divide a "
+                             f"{cfg.threads}-thread block")
+        _LINEAR16[key] = _make_linear16(kind == "bf16", cfg.r, cfg.ks, cfg.u, tt, cfg.threads,
+                                        cfg.blocks_sm, *key[3:])
+    return _LINEAR16[key]
+
+
+def linear16_config(n: int, k: int, t: int, cw: int = 8) -> Wide:
+    """Default 16-byte launch shape for an [n, k] weight of cw values a chunk (8 bf16, 4 fp32).
+
+    LIN16_LOADS loads in flight a lane (128 bytes) at <= 64 registers: 4 blocks of 256 an SM,
+    128 KB in flight an SM, so one resident wave (LIN16_WARPS warps) holds ~17 MB of loads. A
+    row's chunks go in one round of loads where U <= LIN16_LOADS allows (K = 2048 bf16: 8 loads,
+    one warp a row; K = 4096: two warps a row, the o projection's 2048 rows one wave). Fewer
+    warps than a wave: each row split over more warps with fewer loads (768 rows: (1, 4, 2);
+    the 128-row router: 8 warps a row, one load a lane) so every SM has loads in flight. The
+    LM head streams: 4 rows a warp, 2 loads a row (2 rows for a token tile over 4)."""
+    nw = LIN16_THREADS // WARP
+    if n >= LIN_ROWS4:
+        r = 4 if t <= 4 else 2
+        return Wide(r, 1, LIN16_LOADS // r)
+    per_row = cdiv(k // cw, WARP)      # a warp's loads to cover a row
+    ks = 1
+    while ks < nw and ks * LIN16_LOADS < per_row:
+        ks *= 2
+    while ks < nw and per_row > ks and n * ks * 2 <= LIN16_WARPS:
+        ks *= 2
+    return Wide(1, ks, cdiv(per_row, ks))   # (U: a row in one round; no clamped loads where
+                                            # the row's chunks are a multiple of 32 * ks)
+
+
+def _wide_fits(w, x, norm) -> bool:
+    """The 16-byte path can read these: K a multiple of a chunk (8 bf16 / 4 fp32 values), the
+    rows of w, x (and the norm's g) 16-byte aligned and contiguous."""
+    cw = 8 if w.dtype == np.uint16 else 4
+    return w.shape[1] % cw == 0 and aligned(16, w, x, *(() if norm is None else (norm[0],)))
+
+
+def linear_choice(w, x, norm=None):
+    """The launch shape linear(w, x, y, ..., norm=norm) takes when not told: a Wide (the 16-byte
+    path, for T <= LIN16_T_MAX where it fits) or the 8-byte path's (R, KS, U)."""
+    n, k = w.shape
+    t = x.shape[0]
+    cw = 4 if w.dtype == np.uint16 else 2
+    if t <= LIN16_T_MAX and _wide_fits(w, x, norm):
+        return linear16_config(n, k, t, 2 * cw)
+    return linear_config(n, k, t, cw)
 
 
 def _token_tile(t: int) -> int:
@@ -347,8 +627,10 @@ def linear(w, x, y, stream, config=None, accumulate=False, norm=None):
     launch); w float32 or uint16 (bf16 bits), K a multiple of 4 (bf16) or 2 (fp32); x
     C-contiguous rows.
 
-    Memory-bound matvec form for decode and small T (use gemm() for prefill). config: (R, KS,
-    U) to override linear_config()'s choice (benchmark sweeps).
+    Memory-bound matvec form for decode and small T (use gemm() for prefill). Two kernels: the
+    16-byte path (K a multiple of 8 bf16 / 4 fp32 values, rows 16-byte aligned) and the 8-byte
+    path (any such K). config: a Wide (the 16-byte path's shape) or an (R, KS, U) tuple (the
+    8-byte path's) to override linear_choice() (benchmark sweeps).
     norm = (g float32 [K], eps, w_offset, h_out float32 [T, K] or None): x is RMS-normalised
     first, rmsnorm(x, g, eps, h_out, w_offset) fused into the same launch (one graph node
     fewer); with h_out the normalised rows are written there too (h_out must not overlap x)."""
@@ -357,24 +639,46 @@ def linear(w, x, y, stream, config=None, accumulate=False, norm=None):
     if w.dtype == np.uint16:
         if k % 4:
             raise ValueError(f"bf16 linear needs K % 4 == 0, got K={k}")
-        kind, cw = "bf16", 4
+        kind = "bf16"
     else:
         if k % 2:
             raise ValueError(f"fp32 linear needs K % 2 == 0, got K={k}")
-        kind, cw = "f32", 2
-    r, ks, u = config or linear_config(n, k, t, cw)
+        kind = "f32"
+    h_out = None
+    if norm is not None:
+        g, eps, w_offset, h_out = norm
+        if x.shape[1] != k or g.shape != (k,) or (h_out is not None and h_out.shape != x.shape):
+            raise ValueError(f"linear norm: x {x.shape}, g {g.shape}, h_out "
+                             f"{None if h_out is None else h_out.shape} for a weight of K={k}")
+        norm_args = (g, float32(eps), float32(w_offset), y if h_out is None else h_out)
+    cfg = linear_choice(w, x, norm) if config is None else config
+    tt = _token_tile(t)
+    if isinstance(cfg, Wide):
+        if not _wide_fits(w, x, norm):
+            raise ValueError(f"linear: the 16-byte path needs K % {8 if kind == 'bf16' else 4} "
+                             f"== 0 and 16-byte aligned rows of w, x{', g' if norm else ''} "
+                             f"(K={k})")
+        smem = (tt + (norm is not None)) * k * 4       # x staged (and g)
+        xs = smem <= LIN16_XS_BYTES
+        exact = (k // (8 if kind == "bf16" else 4)) % (WARP * cfg.ks * cfg.u) == 0
+        kern = linear16_kernel(kind, cfg, tt, xs, exact, accumulate, norm is not None,
+                               h_out is not None)
+        launch = kern[cdiv(n, (cfg.threads // WARP // cfg.ks) * cfg.r), cfg.threads, stream,
+                      smem if xs else 0]
+        wa = w.view(np.uint32) if kind == "bf16" else w
+        if norm is None:
+            launch(wa, x, y)
+        else:
+            launch(wa, x, x.view(np.uint64), y, *norm_args)
+        return
+    r, ks, u = cfg
     grid = cdiv(n, (LIN_THREADS // WARP // ks) * r)
     if norm is None:
-        kern = linear_kernel(kind, r, ks, u, _token_tile(t), accumulate)
+        kern = linear_kernel(kind, r, ks, u, tt, accumulate)
         kern[grid, LIN_THREADS, stream](w.view(np.uint64), x.view(np.uint64), y)
         return
-    g, eps, w_offset, h_out = norm
-    if x.shape[1] != k or g.shape != (k,) or (h_out is not None and h_out.shape != x.shape):
-        raise ValueError(f"linear norm: x {x.shape}, g {g.shape}, h_out "
-                         f"{None if h_out is None else h_out.shape} for a weight of K={k}")
-    kern = linear_kernel(kind, r, ks, u, _token_tile(t), accumulate, True, h_out is not None)
-    kern[grid, LIN_THREADS, stream](w.view(np.uint64), x.view(np.uint64), y, g, float32(eps),
-                                    float32(w_offset), y if h_out is None else h_out)
+    kern = linear_kernel(kind, r, ks, u, tt, accumulate, True, h_out is not None)
+    kern[grid, LIN_THREADS, stream](w.view(np.uint64), x.view(np.uint64), y, *norm_args)
 
 
 def gemm(w, x, y, stream):

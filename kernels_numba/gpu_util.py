@@ -1,4 +1,5 @@
-"""Shared pieces of the CUDA kernels: simulator switch, warp reductions, bit casts, tables.
+"""Shared pieces of the CUDA kernels: simulator switch, warp reductions, bit casts, tables,
+16-byte vector loads (inline PTX) and cp.async copies to shared memory.
 
 The same kernel source runs on the GPU and under NUMBA_ENABLE_CUDASIM=1 (CI). The simulator has
 no warp shuffles, so the warp reductions here use a shared-memory path there; callers pass a
@@ -79,6 +80,166 @@ def bf16_at(bits):
     """One uint16 bfloat16 -> float32."""
     return int_as_float(uint32(bits) << 16)
 
+
+
+# ---- vector loads ----------------------------------------------------------------------------
+# numba emits at most 8-byte loads; these give one ld.global.<cop>.v<width> instruction of
+# `width` consecutive 4-byte elements: ld4(a, i, ..., k) -> (a[i, ..., k], ..., a[i, ..., k + 3])
+# for a float32 / uint32 array of any rank, one index per axis. The address must be 4 * width
+# bytes aligned (aligned() checks a launch's arrays). The simulator reads the elements one by one.
+
+if SIM:
+    def make_ld(width: int, cop: str = "nc", ordered: bool = False, volatile: bool = False):
+        @cuda.jit(device=True)
+        def ld(a, *idx):
+            head, k = idx[:-1], idx[-1]
+            return tuple(a[head + (k + c,)] for c in range(width))
+        return ld
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def make_ld(width: int, cop: str = "nc", ordered: bool = False, volatile: bool = False):
+        """a[i, ..., k:k + width] of a float32 / uint32 array as one ld.global.<cop>.v<width>
+        (cop "nc": read-only for the kernel's life, through the non-coherent L1 path; "cg": L2
+        only; "": a plain coherent load). ordered: an asm with side effects and a memory
+        clobber, so LLVM keeps it after the fence that publishes what it reads. volatile: side
+        effects only, so LLVM keeps the load where it is written (a side-effect-free asm reads
+        no memory as LLVM sees it and may move across a barrier)."""
+        @intrinsic
+        def ld(typingctx, a, *idx):
+            if not (isinstance(a, types.Array) and a.ndim == len(idx)
+                    and a.dtype in (types.float32, types.uint32)
+                    and all(isinstance(i, types.Integer) for i in idx)):
+                return None
+            # the indices arrive at lowering as one tuple (the star argument)
+            sig = types.UniTuple(a.dtype, width)(a, types.StarArgTuple.from_types(idx))
+
+            def codegen(context, builder, sig, args):
+                aty = sig.args[0]
+                arr = context.make_array(aty)(context, builder, value=args[0])
+                ix = [context.cast(builder, v, ty, types.intp)
+                      for v, ty in zip(cgutils.unpack_tuple(builder, args[1]), sig.args[1])]
+                ptr = cgutils.get_item_pointer(context, builder, aty, arr, ix)
+                fl = aty.dtype == types.float32
+                elt = context.get_value_type(aty.dtype)
+                fnty = ir.FunctionType(ir.LiteralStructType([elt] * width), [ptr.type])
+                regs = ",".join(f"${x}" for x in range(width))
+                cons = ",".join(["=f" if fl else "=r"] * width) + ",l"
+                op = "ld.global" + (f".{cop}" if cop else "")
+                asm = ir.InlineAsm(
+                    fnty, f"{op}.v{width}.{'f32' if fl else 'u32'} {{{regs}}}, [${width}];",
+                    cons + (",~{memory}" if ordered else ""), side_effect=ordered or volatile)
+                res = builder.call(asm, [ptr])
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(res, x) for x in range(width)])
+            return sig, codegen
+        return ld
+
+ld4 = make_ld(4, "nc")          # 16 bytes of data the kernel only reads
+ld2 = make_ld(2, "nc")          # 8 bytes
+ld4cg = make_ld(4, "cg", True)  # 16 bytes other blocks of this launch wrote (after a fence)
+# ld4 kept where it is written: loads issued ahead of a barrier that must stay ahead of it
+# (LLVM sees a side-effect-free asm as touching no memory and may sink it past the barrier
+# to its use; ptxas keeps such loads before the bar.sync, sm_90 checked)
+ld4_pinned = make_ld(4, "nc", volatile=True)
+
+
+# lds4(a, i) -> a[i:i + 4] as one 16-byte load, a float32 1-D array whose a[i] is 16-byte
+# aligned (shared memory declared with alignment=16): ld.shared.v4 where indexing element by
+# element costs four loads and four negative-index checks.
+if SIM:
+    @cuda.jit(device=True)
+    def lds4(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+else:
+    def _vec_ptr(context, builder, aty, arr_val, i_val, i_ty):
+        arr = context.make_array(aty)(context, builder, value=arr_val)
+        ptr = cgutils.get_item_pointer(context, builder, aty, arr,
+                                       [context.cast(builder, i_val, i_ty, types.intp)])
+        return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), 4).as_pointer())
+
+    def _f32_vector(a, i):
+        return (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32
+                and isinstance(i, types.Integer))
+
+    @intrinsic
+    def lds4(typingctx, a, i):
+        if not _f32_vector(a, i):
+            return None
+        sig = types.UniTuple(types.float32, 4)(a, i)
+
+        def codegen(context, builder, sig, args):
+            v = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1],
+                                      sig.args[1]), align=16)
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_element(v, ir.Constant(ir.IntType(32), k))
+                                       for k in range(4)])
+        return sig, codegen
+
+
+# cp_async4(dst, i, src, j, ..., k): dst[i:i + 4] = src[j, ..., k:k + 4] as one 16-byte
+# cp.async.cg (global -> shared, through L2, no registers held while in flight); dst a float32
+# 1-D shared array 16-byte aligned at i, src float32 with 16-byte aligned rows.
+# cp_async_wait(): waits for this thread's copies; a barrier after it publishes them.
+if SIM:
+    @cuda.jit(device=True)
+    def cp_async4(dst, i, src, *idx):
+        head, k = idx[:-1], idx[-1]
+        for c in range(4):
+            dst[i + c] = src[head + (k + c,)]
+
+    @cuda.jit(device=True)
+    def cp_async_wait():
+        pass
+else:
+    @intrinsic
+    def cp_async4(typingctx, dst, i, src, *idx):
+        if not (_f32_vector(dst, i) and isinstance(src, types.Array)
+                and src.dtype == types.float32 and src.ndim == len(idx)
+                and all(isinstance(j, types.Integer) for j in idx)):
+            return None
+        sig = types.none(dst, i, src, types.StarArgTuple.from_types(idx))
+
+        def codegen(context, builder, sig, args):
+            dptr = _vec_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            sty = sig.args[2]
+            sarr = context.make_array(sty)(context, builder, value=args[2])
+            ix = [context.cast(builder, v, ty, types.intp)
+                  for v, ty in zip(cgutils.unpack_tuple(builder, args[3]), sig.args[3])]
+            sptr = cgutils.get_item_pointer(context, builder, sty, sarr, ix)
+            i64 = ir.IntType(64)
+            fnty = ir.FunctionType(ir.VoidType(), [i64, i64])
+            asm = ir.InlineAsm(
+                fnty, "{ .reg .u64 s; cvta.to.shared.u64 s, $0; "
+                "cp.async.cg.shared.global [s], [$1], 16; }", "l,l,~{memory}",
+                side_effect=True)
+            builder.call(asm, [builder.ptrtoint(dptr, i64), builder.ptrtoint(sptr, i64)])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_wait(typingctx):
+        sig = types.none()
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;",
+                               "~{memory}", side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+        return sig, codegen
+
+
+def aligned(nbytes: int, *arrays) -> bool:
+    """Every row of the device arrays starts on nbytes and is contiguous (the vector loads of
+    make_ld: 16 bytes for ld4, 8 for ld2). Always true under the simulator."""
+    if SIM:
+        return True
+    return all(a.__cuda_array_interface__["data"][0] % nbytes == 0
+               and a.strides[-1] == a.dtype.itemsize
+               and all(x % nbytes == 0 for x in a.strides[:-1]) for a in arrays)
 
 # ---- warp reductions -------------------------------------------------------------------------
 
@@ -244,4 +405,6 @@ def poison(arr) -> None:
 
 __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "float_as_uint",
            "bf16_lo", "bf16_hi", "bf16_at", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
-           "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15"]
+           "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15",
+           "make_ld", "ld4", "ld2", "ld4cg", "ld4_pinned", "lds4", "cp_async4",
+           "cp_async_wait", "aligned"]

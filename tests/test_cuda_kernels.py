@@ -204,6 +204,46 @@ def check_dense(rng, t, n, k, gemm_t, configs=(None,)):
     return max(errs)
 
 
+def check_linear16(rng, n, k, ts, configs, misaligned=False):
+    """linear's 16-byte path: for each weight kind and T in ts, one of configs (gd.Wide, in
+    turn), plain and accumulating in turn, against the oracle. Where the path does not apply
+    (K not a multiple of 8 bf16 / 4 fp32 values; misaligned: x starting 8 bytes past a 16-byte
+    boundary, GPU only) a Wide config raises and linear() takes the 8-byte path."""
+    from kernels_numba import gpu_dense as gd
+    stream = cuda.stream()
+    errs = [0.0]
+    turn = 0
+    for kind in ("f32", "bf16"):
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        if kind == "bf16":
+            w = _bf16(w)
+        dw = cuda.to_device(w)
+        fits = k % (8 if kind == "bf16" else 4) == 0 and not misaligned
+        for t in ts:
+            cfg = configs[turn % len(configs)]
+            acc = turn % 2 == 1
+            turn += 1
+            what = f"linear16 {kind} N={n} K={k} T={t} config={cfg} accumulate={acc}"
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            if misaligned:
+                buf = cuda.to_device(np.concatenate([np.zeros(2, np.float32), x.reshape(-1)]))
+                dx = buf[2:].reshape(t, k)
+            else:
+                dx = cuda.to_device(x)
+            y0 = rng.standard_normal((t, n)).astype(np.float32)
+            if not fits:
+                with pytest.raises(ValueError, match="16-byte path"):
+                    gd.linear(dw, dx, _nan((t, n)), stream, config=cfg)
+                assert not isinstance(gd.linear_choice(dw, dx), gd.Wide), what
+                cfg = None
+            y = cuda.to_device(y0) if acc else _nan((t, n))
+            gd.linear(dw, dx, y, stream, config=cfg, accumulate=acc)
+            stream.synchronize()
+            errs.append(_close(y.copy_to_host(), ref.linear(x, w) + (y0 if acc else 0),
+                               what=what))
+    return max(errs)
+
+
 def check_norm_rope_embed(rng, t, nh, d, r, hidden, vocab):
     from kernels_numba import gpu_dense as gd
     stream = cuda.stream()
@@ -464,8 +504,19 @@ def run_sim_checks() -> None:
         print(f"ok grouped tiled {fmt} {time.time() - t0:.0f}s", flush=True)
     check_experts_grouped("fp8", 32, 16, 2, 5, 4, rng)
     print(f"ok grouped default {time.time() - t0:.0f}s", flush=True)
-    check_dense(rng, t=5, n=6, k=40, gemm_t=3, configs=(None, (2, 2, 2), (4, 1, 3)))
+    from kernels_numba.gpu_dense import Wide
+    check_dense(rng, t=5, n=6, k=40, gemm_t=3,
+                configs=(None, (2, 2, 2), (4, 1, 3), Wide(1, 2, 1), Wide(2, 1, 2)))
     print(f"ok dense {time.time() - t0:.0f}s", flush=True)
+    # the 16-byte path, T = 1..8 and two passes (9): K = 256, chunks a multiple of the shapes'
+    # 32 * KS * U (no clamped loads), x staged in shared memory at T = 1 only (LIN16_XS_BYTES
+    # is 1024 here); K = 40: clamped loads, x staged up to a token tile of 4; K = 36: bf16 takes
+    # the 8-byte path
+    shapes16 = (Wide(1, 1, 1), Wide(2, 2, 1), Wide(1, 1, 2), Wide(4, 1, 1))
+    check_linear16(rng, n=5, k=256, ts=(1, 2, 3, 8, 9), configs=shapes16)
+    check_linear16(rng, n=6, k=40, ts=range(1, 10), configs=shapes16)
+    check_linear16(rng, n=3, k=36, ts=(1, 2, 8), configs=shapes16)
+    print(f"ok linear 16-byte {time.time() - t0:.0f}s", flush=True)
     check_norm_rope_embed(rng, t=2, nh=2, d=16, r=8, hidden=40, vocab=11)
     print(f"ok norm/rope/embed {time.time() - t0:.0f}s", flush=True)
     for variant in ("base", "v2"):
@@ -560,9 +611,27 @@ def test_grouped_parts_gpu(fmt, h, i, k, t, n_exp):
 @pytest.mark.gpu
 @gpu
 def test_dense_gpu():
+    from kernels_numba.gpu_dense import Wide
     check_dense(np.random.default_rng(3), t=7, n=4096, k=2048, gemm_t=77,
-                configs=(None, (4, 1, 2), (2, 2, 4), (1, 8, 2)))
+                configs=(None, (4, 1, 2), (2, 2, 4), (1, 8, 2), Wide(1, 1, 8), Wide(4, 1, 2),
+                         Wide(1, 8, 1)))
     check_dense(np.random.default_rng(3), t=3, n=128, k=2048, gemm_t=9)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (151936, 2048), (128, 2048),
+                                 (100, 1000), (64, 1004)])
+def test_linear16_gpu(n, k):
+    """The 16-byte path at Qwen3-30B-A3B's shapes (qkv, o, LM head, router), K = 1000 (chunks
+    not a multiple of a warp's), K = 1004 (bf16: the 8-byte path), T = 1..9, the default and
+    other launch shapes; then x misaligned for it (the 8-byte path)."""
+    from kernels_numba import gpu_dense as gd
+    rng = np.random.default_rng(13)
+    shapes = [gd.linear16_config(n, k, 1), gd.Wide(1, 1, 4), gd.Wide(2, 2, 4, 256, 0),
+              gd.Wide(1, 4, 2, 128, 8), gd.Wide(2, 1, 4, 512, 2)]
+    assert check_linear16(rng, n, k, ts=range(1, 10), configs=shapes) <= TOL
+    check_linear16(rng, n, k, ts=(1, 3), configs=shapes, misaligned=True)
 
 
 @pytest.mark.gpu

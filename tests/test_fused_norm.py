@@ -132,11 +132,18 @@ def run_sim_checks() -> None:
     """Tiny shapes; run only under NUMBA_ENABLE_CUDASIM=1 (64-thread blocks, 2 warps)."""
     rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
     t0 = time.time()
+    from kernels_numba.gpu_dense import Wide
     # K = 136: 68 float pairs, more than a 64-thread block, so h_out is written by two blocks;
-    # (1, 2, 1): 2 warps a row (the norm sums share the KS > 1 scratch); T = 9: two passes
-    check_linear_norm(rng, n=6, k=136, ts=(1, 2), configs=(None, (1, 2, 1)), every=False)
+    # (1, 2, 1): 2 warps a row (the norm sums share the KS > 1 scratch); T = 9: two passes.
+    # Wide: the 16-byte path (None at T = 1 too), x and g read through L1 at K = 136 and staged
+    # in shared memory at K = 40 up to a token tile of 4 and at K = 8 (two passes, restaged)
+    check_linear_norm(rng, n=6, k=136, ts=(1, 2), configs=(None, (1, 2, 1), Wide(1, 2, 1)),
+                      every=False)
     print(f"ok linear norm {time.time() - t0:.0f}s", flush=True)
-    check_linear_norm(rng, n=5, k=8, ts=(9,), configs=((2, 1, 1),), every=False)
+    check_linear_norm(rng, n=6, k=40, ts=(1, 3, 8), configs=(Wide(1, 1, 1), Wide(2, 2, 1)),
+                      every=False)
+    print(f"ok linear norm 16-byte {time.time() - t0:.0f}s", flush=True)
+    check_linear_norm(rng, n=5, k=8, ts=(9,), configs=((2, 1, 1), Wide(2, 1, 1)), every=False)
     print(f"ok linear norm two passes {time.time() - t0:.0f}s", flush=True)
     check_linear_norm_errors()
     check_router_slots(rng, t=1, e=10, k=3)
@@ -163,8 +170,11 @@ gpu = pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU")
 @gpu
 @pytest.mark.parametrize("n,k", [(5120, 2048), (128, 2048), (9216, 4096), (512, 2048)])
 def test_linear_norm_gpu(n, k):
-    """Qwen3-30B-A3B's fused qkv and router, a 4096-wide qkv, a 512-expert router."""
-    err = check_linear_norm(np.random.default_rng(11), n, k, ts=(1, 3, 9))
+    """Qwen3-30B-A3B's fused qkv and router, a 4096-wide qkv, a 512-expert router; the default
+    (16-byte at T = 1) and both paths' other shapes at every T."""
+    from kernels_numba.gpu_dense import Wide
+    err = check_linear_norm(np.random.default_rng(11), n, k, ts=(1, 3, 9),
+                            configs=(None, (2, 1, 4), Wide(1, 1, 8), Wide(2, 2, 4)))
     assert err <= TOL
 
 

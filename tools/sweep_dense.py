@@ -4,6 +4,7 @@ the device-to-device copy bandwidth measured in the same run.
     python3 tools/sweep_dense.py out.json          # H200: about a minute, compiles included
     python3 tools/sweep_dense.py --ops attention --budget 400 att.json   # decode attention only
     python3 tools/sweep_dense.py --ops qk_norm_rope,router_topk small.json   # their variants
+    python3 tools/sweep_dense.py --ops linear --budget 420 lin.json      # matvec 8B vs 16B only
     NUMBA_ENABLE_CUDASIM=1 python3 tools/sweep_dense.py --sim out.json   # tiny shapes, CPU
 
 One line per (op, shape, variant): microseconds per call, GB/s of the bytes the op must read
@@ -11,6 +12,9 @@ One line per (op, shape, variant): microseconds per call, GB/s of the bytes the 
 bandwidth. Every call reads its own copy of the weights / KV cache, rotating over enough copies
 to be several times the 60 MB L2, so nothing is served from L2 that would not be in a model.
 Each variant's output is checked against numpy once (err: max |error| / max |ref|).
+Linear: the 8-byte path ("8B (R, KS, U)") against the 16-byte path ("16B R,KS,U tTHREADS
+bBLOCKS_SM", gd.Wide), each path's default shape marked, ending with a table of both defaults
+and each path's fastest shape per case.
 Attention: every decode variant of gpu_attention (base = the partial + combine kernels; v2 =
 partial2 + combine2; v2f = partial2 merging in its last block, one launch) with its knobs,
 ending with a table of us per call (ratio to copy) per case; "comb" = the combine launch alone.
@@ -49,7 +53,7 @@ REPS = 1 if SIM else 5    # graph replays timed
 if SIM:
     LIN_SHAPES = [(6, 40)]
     LIN_TOKENS = (1, 3)
-    LIN_CONFIGS = [None, (2, 2, 2)]
+    LIN_CONFIGS = [None, "8B", (2, 2, 2), gd.Wide(1, 2, 1), "16B"]
     LIN_T_CONFIGS = LIN_CONFIGS
     ATT_CASES = [dict(s_max=12, pos=9, hq=2, hkv=1, d=8)]
     ATT_VARIANTS = [dict(variant="base"), dict(variant="base", fused=True),
@@ -62,10 +66,13 @@ else:
     LIN_SHAPES = [(5120, 2048), (2048, 4096), (4096, 2048), (151936, 2048), (128, 2048),
                   (768, 2048)]
     LIN_TOKENS = (1, 2, 4, 7)
-    # (R rows per warp group, KS warps per row, U chunks in flight); None = linear_config()
-    LIN_CONFIGS = [None, (1, 1, 4), (2, 1, 4), (4, 1, 2), (2, 2, 4), (2, 2, 2), (1, 4, 4),
-                   (1, 8, 2), (2, 1, 2)]
-    LIN_T_CONFIGS = [None, (1, 1, 4), (2, 1, 4), (2, 2, 4)]     # T > 1
+    # None: linear()'s choice; "8B" / "16B": the 8-byte / 16-byte path's default shape;
+    # (R rows per warp group, KS warps per row, U chunks in flight): the 8-byte path;
+    # gd.Wide(R, KS, U, threads, blocks_sm): the 16-byte path (more per shape: wide_configs())
+    LIN_CONFIGS = [None, "8B", (1, 1, 4), (2, 1, 4), (4, 1, 2), (2, 2, 4), (2, 2, 2), (1, 4, 4),
+                   (1, 8, 2), (2, 1, 2), "16B"]
+    LIN_T_CONFIGS = [None, "8B", (1, 1, 4), (2, 1, 4), (2, 2, 4), "16B", gd.Wide(1, 1, 4),
+                     gd.Wide(2, 1, 4)]     # T > 1
     ATT_CASES = [dict(s_max=4096, pos=2047, hq=32, hkv=4, d=128),    # the two that decide
                  dict(s_max=32768, pos=32767, hq=32, hkv=4, d=128),
                  dict(s_max=4096, pos=4095, hq=32, hkv=4, d=128),
@@ -142,6 +149,34 @@ def n_copies(nbytes: int) -> int:
     return max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / nbytes)))
 
 
+def wide_configs(n: int, k: int) -> list:
+    """16-byte launch shapes to time for an [n, k] bf16 weight at T = 1 besides the default:
+    a row in one round of loads (R rows x U loads = 8 a lane, the row's chunks over KS warps),
+    in two rounds (U = 4: 64 bytes a lane, more warps resident), and the default's block with
+    other register caps (blocks_sm 3: <= 80 registers; 0: none) and block sizes."""
+    if SIM:
+        return [gd.Wide(1, 1, 1), gd.Wide(2, 1, 2, 64, 0)]
+    nw = gd.LIN16_THREADS // gd.WARP
+    per_row = max(1, k // 8 // gd.WARP)            # a warp's loads to cover a row
+    out = []
+    for r, u in ((1, 8), (2, 4), (4, 2), (8, 1), (1, 4), (2, 2)):
+        ks = max(1, per_row // u)
+        if ks <= nw and gd.Wide(r, ks, u) not in out:
+            out.append(gd.Wide(r, ks, u))
+    out += [gd.Wide(1, 1, 4), gd.Wide(2, 1, 4), gd.Wide(4, 1, 2)]
+    d = gd.linear16_config(n, k, 1)
+    out += [d._replace(blocks_sm=3), d._replace(blocks_sm=0), d._replace(threads=128, blocks_sm=8),
+            d._replace(threads=512, blocks_sm=2)]
+    return list(dict.fromkeys(c for c in out if (c.threads // gd.WARP) % c.ks == 0))
+
+
+def linear_name(cfg) -> str:
+    """A launch shape as the sweep prints it: 8B (R, KS, U) or 16B R,KS,U tTHREADS bBLOCKS_SM."""
+    if isinstance(cfg, gd.Wide):
+        return f"16B {cfg.r},{cfg.ks},{cfg.u} t{cfg.threads} b{cfg.blocks_sm}"
+    return f"8B {tuple(cfg)}"
+
+
 def sweep_linear(rows, t_start, stream, rng, bw):
     for n, k in LIN_SHAPES:
         nb = n * k * 2
@@ -155,12 +190,23 @@ def sweep_linear(rows, t_start, stream, rng, bw):
             x = cuda.to_device(x_h)
             y = cuda.device_array((t, n), np.float32)
             exp = x_h @ w0.T
-            for cfg in LIN_CONFIGS if t == 1 else LIN_T_CONFIGS:
+            timed = set()
+            for spec in LIN_CONFIGS + wide_configs(n, k) if t == 1 else LIN_T_CONFIGS:
+                if spec == "8B":
+                    cfg = gd.linear_config(n, k, t)
+                elif spec == "16B":
+                    cfg = gd.linear16_config(n, k, t)
+                else:
+                    cfg = spec
+                if cfg is not None and (type(cfg), cfg) in timed:
+                    continue
+                timed.add((type(cfg), cfg))
+                name = ("default " + linear_name(gd.linear_choice(w[0], x)) if cfg is None
+                        else linear_name(cfg) + (" (default)" if spec in ("8B", "16B") else ""))
                 if time.time() - t_start > BUDGET_S:
-                    rows.append(dict(op="linear", shape=f"{n}x{k} T={t}", variant=str(cfg),
+                    rows.append(dict(op="linear", shape=f"{n}x{k} T={t}", variant=name,
                                      skipped="time budget"))
                     continue
-                name = "default" + str(gd.linear_config(n, k, t)) if cfg is None else str(cfg)
                 try:
                     y.copy_to_device(np.full((t, n), np.nan, np.float32))
                     gd.linear(w[0], x, y, stream, config=cfg)
@@ -180,8 +226,41 @@ def sweep_linear(rows, t_start, stream, rng, bw):
                 gbs = nb / (us * 1e-6) / 1e9
                 rows.append(dict(op="linear", shape=f"{n}x{k} T={t}", variant=name, us=us,
                                  gbs=gbs, ratio=gbs / bw, err=err, copies=copies))
-                print(f"linear  {n:6d}x{k:<5d} T={t}  {name:22s} {us:8.2f} us {gbs:7.0f} GB/s "
+                print(f"linear  {n:6d}x{k:<5d} T={t}  {name:34s} {us:8.2f} us {gbs:7.0f} GB/s "
                       f"{gbs / bw:5.2f} of copy  err {err:.1e}", flush=True)
+    linear_table(rows)
+
+
+def linear_table(rows) -> None:
+    """One line per (shape, T): us (ratio to copy) of the 8-byte and 16-byte paths' defaults
+    and the fastest shape of each path; '!' marks err > 1e-5."""
+    lin = [r for r in rows if r.get("op") == "linear" and "us" in r]
+    if not lin:
+        return
+
+    def cell(r):
+        if r is None:
+            return f"{'-':>16s}"
+        return f"{r['us']:8.2f} ({r['ratio']:4.2f}){'!' if r['err'] > 1e-5 else ' '}"
+
+    def label(r):
+        return "" if r is None else r["variant"].removeprefix("default ").removesuffix(
+            " (default)")
+    print("\nlinear, us per call as replayed in a graph (ratio of copy):")
+    print(f"{'shape':20s}{'8B default':>16s}{'16B default':>16s}{'best 8B':>16s} {'':13s}"
+          f"{'best 16B':>16s}")
+    for shape in dict.fromkeys(r["shape"] for r in lin):
+        rs = [r for r in lin if r["shape"] == shape]
+
+        def best(pred):
+            c = [r for r in rs if pred(r["variant"])]
+            return min(c, key=lambda r: r["us"]) if c else None
+        d8 = best(lambda v: v.startswith("8B") and v.endswith("(default)"))
+        d16 = best(lambda v: v.startswith("16B") and v.endswith("(default)"))
+        b8 = best(lambda v: "8B" in v and "16B" not in v)
+        b16 = best(lambda v: "16B" in v)
+        print(f"{shape:20s}{cell(d8)}{cell(d16)}{cell(b8)} {label(b8):13s}{cell(b16)} "
+              f"{label(b16)}", flush=True)
 
 
 def _att_combine(var, parts, hq, hkv, d, s_max, split):
