@@ -30,7 +30,10 @@ LIN16_THREADS = 64 if SIM else 256   # linear, 16-byte path: a block's threads (
 LIN16_BLOCKS_SM = 4                  # ... blocks an SM the registers must allow (<= 64 a thread)
 LIN16_LOADS = 8                      # ... 16-byte weight loads in flight a lane (U * R)
 LIN16_WARPS = 4 if SIM else 4224     # ... warps resident at once (132 SMs x 32 at 64 registers)
-LIN16_T_MAX = 1                      # ... taken by default for T <= this (else the 8-byte path)
+LIN16_T_MAX = 0                      # ... taken by default for T <= this (else the 8-byte path)
+# ^ 0 until the sweep picks its shapes: the first H200 sweep (2026-12-01, 5120 x 2048 only, T = 1)
+# had linear16_config's (1, 1, 8) at 10.50 us against the 8-byte default's 9.73, and Wide(2, 1, 4)
+# at 7.87 (0.65 of copy); the other matrices were not reached in that run's time budget
 LIN16_XS_BYTES = 1024 if SIM else 32768   # ... x (and g) staged in shared memory up to this
 NORM_THREADS = 64 if SIM else 128    # rmsnorm: one warp per row
 NORM_BLOCK = 64 if SIM else 512      # rmsnorm of long rows: one block per row
