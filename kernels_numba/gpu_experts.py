@@ -11,9 +11,11 @@ uint8 [S, B] for NVFP4 scales, float32 [S, B/4] for the header's global scales a
 The layout arrives as int64 [10] from ExpertLayout.as_array().
 
 Decode (one token, graph friendly): `slots` int32 [K] and `weights` float32 [K] are device
-arrays, so one captured launch pair serves any routing; only their contents change. Two kernel
-families, chosen by `variant` (DEFAULT_VARIANT per format; see parse_variant): the "flat" kernels
-(many small blocks, all loads of a thread in flight, see the section below) and the legacy ones:
+arrays, so one captured launch pair serves any routing; only their contents change. Kernel
+families, chosen by `variant` (DEFAULT_VARIANT per format; see parse_variant): NVFP4's default,
+the tensor-core "mma" kernels (gpu_experts_mma.py); the "q" and "p" pipelined and the "flat"
+kernels (many small blocks, all loads of a thread in flight, see the sections below); the "lut"
+kernels (gpu_experts_lut.py); and the legacy ones:
     gate_up: grid (cdiv(I, 2 * warps), K): a warp owns two rows of gate and up of one expert,
              lanes split the row in 8-byte chunks, x staged in shared memory (padded so lanes
              read distinct banks), warp-shuffle reduction -> act [K, I] = silu(g) * u
