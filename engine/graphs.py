@@ -13,9 +13,16 @@ while a stream captures; `capture_fn()` therefore runs the work once eagerly fir
 then captures it. The default capture mode, thread-local, turns an allocation or a sync inside
 the capture into an error instead of a silently broken graph. Every driver call's status is
 checked; a failure raises CudaGraphError naming the call.
+
+Programmatic dependent launch (sm_90+, on unless MOE_STREAM_PDL=0): after capture, each kernel
+-> kernel edge whose dependent is registered PDL-safe (kernels_numba.gpu_util.pdl_kernel)
+becomes a programmatic edge, so that kernel is launched while its predecessor still runs and
+issues what it may read early (weights) before it waits (griddepcontrol.wait). Between small
+decode kernels this hides most of a launch's ramp.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 from cuda.bindings import driver
@@ -56,6 +63,79 @@ def is_capturing(stream) -> bool:
     return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
+def pdl_enabled() -> bool:
+    """Programmatic edges in captured graphs: MOE_STREAM_PDL unset or not "0", sm_90 or later."""
+    if os.environ.get("MOE_STREAM_PDL", "1") == "0":
+        return False
+    from numba import cuda
+    try:
+        return cuda.get_current_device().compute_capability >= (9, 0)
+    except Exception:
+        return False
+
+
+def _pdl_handles() -> set:
+    """The CUkernel / CUfunction handles (as ints) of every compiled PDL-safe kernel."""
+    from kernels_numba.gpu_util import PDL_KERNELS
+    out = set()
+    for disp in PDL_KERNELS:
+        for k in list(disp.overloads.values()):
+            h = k._codelibrary.get_cufunc().handle
+            out.add(int(h))
+            ret = driver.cuKernelGetFunction(h)
+            if ret[0] == driver.CUresult.CUDA_SUCCESS:
+                out.add(int(ret[1]))
+    return out
+
+
+def _kernel_handles(node):
+    """(func, kern) of a kernel node as ints, None for any other node."""
+    kind = _check("cuGraphNodeGetType", driver.cuGraphNodeGetType(node))
+    if kind != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+        return None
+    p = _check("cuGraphKernelNodeGetParams", driver.cuGraphKernelNodeGetParams(node))
+    return int(p.func), int(p.kern)
+
+
+def make_programmatic(graph, handles: set) -> int:
+    """Turn every kernel -> kernel edge of graph whose dependent's kernel is in handles into a
+    programmatic edge; returns how many."""
+    n = _check("cuGraphGetEdges", driver.cuGraphGetEdges(graph, 0))[-1]
+    if not n:
+        return 0
+    frm, to, data, n = _check("cuGraphGetEdges", driver.cuGraphGetEdges(graph, n))
+    kinds = {}
+
+    def handles_of(node):
+        key = int(node)
+        if key not in kinds:
+            kinds[key] = _kernel_handles(node)
+        return kinds[key]
+
+    pick = []
+    for i in range(int(n)):
+        a, b = handles_of(frm[i]), handles_of(to[i])
+        if a is None or b is None or not (b[0] in handles or b[1] in handles):
+            continue
+        if data[i].type != driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_DEFAULT:
+            continue
+        pick.append(i)
+    if not pick:
+        return 0
+    f = [frm[i] for i in pick]
+    t = [to[i] for i in pick]
+    _check("cuGraphRemoveDependencies",
+           driver.cuGraphRemoveDependencies(graph, f, t, [data[i] for i in pick], len(pick)))
+    new = []
+    for _ in pick:
+        e = driver.CUgraphEdgeData()
+        e.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        e.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+        new.append(e)
+    _check("cuGraphAddDependencies", driver.cuGraphAddDependencies(graph, f, t, new, len(pick)))
+    return len(pick)
+
+
 class CudaGraph:
     """One captured graph and its executable instance."""
 
@@ -63,13 +143,15 @@ class CudaGraph:
         self.graph = None   # CUgraph
         self.exec = None    # CUgraphExec
         self.nodes = 0
+        self.programmatic = 0   # edges made programmatic
 
     @contextmanager
-    def capture(self, stream, mode: str = "thread_local"):
+    def capture(self, stream, mode: str = "thread_local", pdl: bool | None = None):
         """Capture the launches made on `stream` inside the block, then instantiate.
 
         Capturing again replaces the graph: the executable is updated in place when the
-        topology matches (cuGraphExecUpdate), else re-instantiated."""
+        topology matches (cuGraphExecUpdate), else re-instantiated. pdl (None: pdl_enabled())
+        makes the edges into PDL-safe kernels programmatic."""
         h = stream_handle(stream)
         _check("cuStreamBeginCapture", driver.cuStreamBeginCapture(h, _MODES[mode]))
         try:
@@ -81,6 +163,12 @@ class CudaGraph:
             raise
         graph = _check("cuStreamEndCapture", driver.cuStreamEndCapture(h))
         _, n = _check("cuGraphGetNodes", driver.cuGraphGetNodes(graph, 0))
+        try:
+            self.programmatic = make_programmatic(graph, _pdl_handles()) if (
+                pdl_enabled() if pdl is None else pdl) else 0
+        except BaseException:
+            driver.cuGraphDestroy(graph)
+            raise
         if self.exec is not None and self._try_update(graph):
             _check("cuGraphDestroy", driver.cuGraphDestroy(self.graph))
         else:
@@ -122,12 +210,13 @@ class CudaGraph:
         self.destroy()
 
 
-def capture_fn(fn, stream, warmup: bool = True, mode: str = "thread_local") -> CudaGraph:
+def capture_fn(fn, stream, warmup: bool = True, mode: str = "thread_local",
+               pdl: bool | None = None) -> CudaGraph:
     """Run fn(stream) once eagerly (compiles and loads its kernels), then capture it."""
     if warmup:
         fn(stream)
         stream.synchronize()
     g = CudaGraph()
-    with g.capture(stream, mode):
+    with g.capture(stream, mode, pdl):
         fn(stream)
     return g

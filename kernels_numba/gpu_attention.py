@@ -50,7 +50,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from .gpu_util import (FULL_MASK, M32, NEG_INF, SIM, WARP, aligned, block_max, block_sum, cdiv,
-                        int_as_float, ld2, ld4, ld4cg, warp_max, warp_sum, warp_sync)
+                        int_as_float, ld2, ld4, ld4cg, pdl_kernel, pdl_trigger, pdl_wait,
+                        warp_max, warp_sum, warp_sync)
 
 ATT_WARPS = 2 if SIM else 4   # partial: warps a block
 KB = 2                        # partial: keys a warp scores at once (H200 sweep: 2 beats 4, 8)
@@ -577,6 +578,8 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
         kvh = cuda.blockIdx.x
         p = cuda.blockIdx.y
         P = cuda.gridDim.y
+        pdl_wait()
+        pdl_trigger()
         lo, n, piece = _piece(q_pos, 0, window, split, P)
         start = lo + p * piece
         if start >= lo + n:            # an unused piece (uniform over the block)
@@ -827,7 +830,7 @@ def partial2_kernel(kind: str, g: int, d: int, kb: int, warps: int, fused: bool)
     nw = max(1, min(warps, SMEM_FLOATS // (g * dp)))
     key = (kind, g, ncl, kb, nw, bool(fused))
     if key not in _PARTIAL2:
-        _PARTIAL2[key] = _make_partial2(kind == "bf16", g, ncl, kb, nw, bool(fused))
+        _PARTIAL2[key] = pdl_kernel(_make_partial2(kind == "bf16", g, ncl, kb, nw, bool(fused)))
     return _PARTIAL2[key], nw, kb
 
 

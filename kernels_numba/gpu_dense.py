@@ -18,7 +18,8 @@ import numpy as np
 from numba import cuda, float32, float64, uint32, uint64
 
 from .gpu_util import (M32, SIM, WARP, aligned, block_sum, cdiv, cp_async4, cp_async_wait,
-                        int_as_float, ld4, ld4_pinned, lds4, warp_sum)
+                        int_as_float, ld4, ld4_pinned, lds4, pdl_kernel, pdl_trigger, pdl_wait,
+                        warp_sum)
 
 LIN_THREADS = 64 if SIM else 256    # linear: 8 warps a block
 LIN_TT_MAX = 8                       # linear: tokens per pass over the weights (T <= 7 in one)
@@ -153,6 +154,9 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False):
                         jj = min(jb + u * STEP, nch - 1)
                         for r in range(R):
                             wq[u * R + r] = w64[min(n0 + r, N - 1), jj]
+                if jb == jb0 and t0 == 0:                  # the first weights are on their way
+                    pdl_wait()
+                    pdl_trigger()
                 for u in range(U):
                     j = jb + u * STEP
                     if j < nch:
@@ -179,6 +183,7 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False):
                                     for c in range(cw):
                                         s += wv[c] * xv[q * cw + c]
                                     acc[r * TT + q] += s
+            pdl_wait()                                     # (lanes past the row's end)
             finish(acc, inv, red, part, x64, x64, t0, nt, g, eps, w_offset, h_out, y, N, n0,
                    lane, warp, ks)
 
@@ -280,6 +285,9 @@ def _make_linear16(BF, R, KS, U, TT, NT, BSM, XS, EXACT, ACC=False, NORM=False, 
                         wq[o + 1] = a1
                         wq[o + 2] = a2
                         wq[o + 3] = a3
+                if j0 == 0 and t0 == 0:                  # the first weights are on their way
+                    pdl_wait()
+                    pdl_trigger()
                 if XS and j0 == 0:                       # while the first loads are in flight
                     _stage_x(x, t0, nt, g, xs, NT, TT, NORM)
                     cp_async_wait()
@@ -487,7 +495,7 @@ def linear_kernel(kind: str, r: int, ks: int, u: int, tt: int, acc: bool = False
         if (LIN_THREADS // WARP) % ks:
             raise ValueError(f"linear: {ks} warps per row do not divide a {LIN_THREADS}-thread block")
         cw, chunk = (4, _chunk_bf16) if kind == "bf16" else (2, _chunk_f32)
-        _LINEAR[key] = _make_linear(cw, chunk, r, ks, u, tt, *key[5:])
+        _LINEAR[key] = pdl_kernel(_make_linear(cw, chunk, r, ks, u, tt, *key[5:]))
     return _LINEAR[key]
 
 
@@ -524,8 +532,8 @@ def linear16_kernel(kind: str, cfg: Wide, tt: int, xs: bool, exact: bool, acc: b
         if cfg.threads % WARP or (cfg.threads // WARP) % cfg.ks:
             raise ValueError(f"linear: {cfg.ks} warps per row do not divide a "
                              f"{cfg.threads}-thread block")
-        _LINEAR16[key] = _make_linear16(kind == "bf16", cfg.r, cfg.ks, cfg.u, tt, cfg.threads,
-                                        cfg.blocks_sm, *key[3:])
+        _LINEAR16[key] = pdl_kernel(_make_linear16(kind == "bf16", cfg.r, cfg.ks, cfg.u, tt,
+                                                   cfg.threads, cfg.blocks_sm, *key[3:]))
     return _LINEAR16[key]
 
 
@@ -935,6 +943,8 @@ def _make_qk_norm_rope_v2(STORE):
         xc = cuda.local.array(QKR_DL, float32)
         wc = cuda.local.array(QKR_DL, float32)
         vv = cuda.local.array(QKR_DL, float32)
+        pdl_wait()
+        pdl_trigger()
         p = positions[t]
         for j in range(QKR_FL):
             f = j * WARP + lane
@@ -992,8 +1002,8 @@ def _make_qk_norm_rope_v2(STORE):
     return qk_norm_rope_v2
 
 
-_qk_norm_rope_v2 = _make_qk_norm_rope_v2(False)
-_qk_norm_rope_v2_store = _make_qk_norm_rope_v2(True)
+_qk_norm_rope_v2 = pdl_kernel(_make_qk_norm_rope_v2(False))
+_qk_norm_rope_v2_store = pdl_kernel(_make_qk_norm_rope_v2(True))
 
 
 def qk_norm_rope(q, k, wq, wk, eps, positions, inv_freq, scaling, stream, w_offset=0.0,

@@ -38,8 +38,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .gpu_util import (SIM, WARP, cdiv, float_as_uint, int_as_float, silu, warp_max,
-                        warp_sync)
+from .gpu_util import (SIM, WARP, cdiv, float_as_uint, int_as_float, pdl_kernel, pdl_trigger,
+                        pdl_wait, silu, warp_max, warp_sync)
 
 STEP = 128                        # columns a warp's step covers (64 bytes a row, 16 a lane)
 STEP_U32 = 128                    # shared uint32 of B fragments a step (4 words x 2 x 4 x 4)
@@ -423,6 +423,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
         k = int32(cuda.blockIdx.x) // nrg
         r0 = (int32(cuda.blockIdx.x) - k * nrg) << 3
         r = min(r0 + g, I - int32(1))
+        pdl_wait()                            # the slots are the router's, just before
+        pdl_trigger()
         slot = slots[k]
         ga = (gq + r * (Hs >> 1) + t * int32(16)) >> 2     # uint32 index, step 0
         ua = (uq + r * (Hs >> 1) + t * int32(16)) >> 2
@@ -487,8 +489,12 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
         sb = (dsc + rb * (Is >> 4) + t * int32(2)) >> 1
         wv = cuda.local.array(NW8, uint32)
         sv = cuda.local.array(NS2, uint32)
+        # the slots come from the launch two back (the router): read, with the weights, before
+        # the wait for gate_up's act
         for s in range(LA):
             load(bank32, bank16, slots, int32(0), wv, sv, s, wp, nst, nsi, da, db, sa, sb, True)
+        pdl_wait()
+        pdl_trigger()
         if tid < 4:
             bsh[(nt >> 5) * int32(S * STEP_U32) + tid] = uint32(0)
         cuda.syncthreads()   # as in gate_up
@@ -517,7 +523,7 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
                 o += part[w, tid]
             out[rr] = o * float32(128.0) + (out[rr] if accumulate else float32(0.0))
 
-    return gate_up, down
+    return pdl_kernel(gate_up), pdl_kernel(down)
 
 
 _KERNELS = {}

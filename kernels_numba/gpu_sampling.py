@@ -35,7 +35,8 @@ import math
 from numba import cuda, float32, int32, uint32
 
 from .gpu_util import (NEG_INF, SIM, WARP, block_argmax, block_max, block_sum, cdiv,
-                       float_as_uint, warp_argmax, warp_max, warp_sum)
+                       float_as_uint, pdl_kernel, pdl_trigger, pdl_wait, warp_argmax, warp_max,
+                       warp_sum)
 
 ROUTER_MAX_E = 1024
 ROUTER_VARIANTS = ("base", "v2")
@@ -120,14 +121,19 @@ def _make_router_topk_v2(NL, SLOTS):
         key = cuda.local.array(NL, float32)           # expert i * 32 + lane; NaN: taken / none
         sl = cuda.local.array(NL, int32)              # SLOTS: its slot_of
         m = NEG_INF
+        if SLOTS:                                     # the slot table is fixed: before the wait
+            for i in range(NL):
+                e = i * WARP + lane
+                if e < E:
+                    sl[i] = slot_of[e]
+        pdl_wait()
+        pdl_trigger()
         for i in range(NL):
             e = i * WARP + lane
             v = NAN
             if e < E:
                 v = logits[t, e]
                 m = max(m, v)
-                if SLOTS:
-                    sl[i] = slot_of[e]
             key[i] = v
         m = warp_max(m, red)
         s = float32(0.0)
@@ -183,7 +189,7 @@ def router_topk_v2_kernel(e: int, slots: bool):
     """The compiled-on-first-launch "v2" router kernel for e experts (with the slot table)."""
     key = (cdiv(e, WARP), bool(slots))
     if key not in _ROUTER_V2:
-        _ROUTER_V2[key] = _make_router_topk_v2(*key)
+        _ROUTER_V2[key] = pdl_kernel(_make_router_topk_v2(*key))
     return _ROUTER_V2[key]
 
 

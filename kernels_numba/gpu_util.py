@@ -232,6 +232,56 @@ else:
         return sig, codegen
 
 
+# ---- programmatic dependent launch (sm_90+) --------------------------------------------------
+# In a graph whose kernel -> kernel edges are programmatic (engine/graphs.py), a kernel may start
+# while the one before it still runs. pdl_wait() blocks until the kernels it depends on have
+# finished and their writes are visible; pdl_trigger() lets the next kernel start. A PDL kernel
+# (registered with pdl_kernel) reads nothing another launch wrote before pdl_wait() and writes
+# nothing before it; it calls pdl_trigger() only after pdl_wait(), so at most two kernels are in
+# flight and, before its own wait, a kernel may also read what the launch two back wrote (its
+# predecessor triggered only once that one had finished). Launched any other way (eagerly, in a
+# graph with plain edges, before sm_90) both are no-ops.
+PDL_KERNELS = []     # dispatchers whose kernels follow the rule above
+
+
+def pdl_kernel(k):
+    """Register a kernel dispatcher as PDL-safe (see above); returns it."""
+    PDL_KERNELS.append(k)
+    return k
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def pdl_wait():
+        pass
+
+    @cuda.jit(device=True)
+    def pdl_trigger():
+        pass
+else:
+    def _pdl_target() -> bool:
+        """Whether the kernel being compiled targets sm_90 or later (griddepcontrol)."""
+        try:
+            return cuda.get_current_device().compute_capability >= (9, 0)
+        except Exception:
+            return False
+
+    def _griddep(op: str):
+        @intrinsic
+        def gd(typingctx):
+            def codegen(context, builder, sig, args):
+                if _pdl_target():
+                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"griddepcontrol.{op};",
+                                       "~{memory}", side_effect=True)
+                    builder.call(asm, [])
+                return context.get_dummy_value()
+            return types.none(), codegen
+        return gd
+
+    pdl_wait = _griddep("wait")
+    pdl_trigger = _griddep("launch_dependents")
+
+
 def aligned(nbytes: int, *arrays) -> bool:
     """Every row of the device arrays starts on nbytes and is contiguous (the vector loads of
     make_ld: 16 bytes for ld4, 8 for ld2). Always true under the simulator."""
@@ -407,4 +457,4 @@ __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "f
            "bf16_lo", "bf16_hi", "bf16_at", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
            "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15",
            "make_ld", "ld4", "ld2", "ld4cg", "ld4_pinned", "lds4", "cp_async4",
-           "cp_async_wait", "aligned"]
+           "cp_async_wait", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]
