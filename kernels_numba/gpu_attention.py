@@ -578,13 +578,14 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
         kvh = cuda.blockIdx.x
         p = cuda.blockIdx.y
         P = cuda.gridDim.y
-        pdl_wait()
-        pdl_trigger()
+        # PDL: the positions and every cache row but the newest (the launch just before, qk_norm
+        # _rope, stores that one) are read before the wait; the newest row after it
         lo, n, piece = _piece(q_pos, 0, window, split, P)
         start = lo + p * piece
         if start >= lo + n:            # an unused piece (uniform over the block)
             return
         end = min(lo + n, start + piece)
+        newest = lo + n - 1
         h0 = kvh * G
         ka = cuda.local.array(BW, BT)
         va = cuda.local.array(BW, BT)
@@ -592,8 +593,16 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
         vb2 = cuda.local.array(BW, BT)
         stride = NW * KB
         j0 = start + warp * KB
-        load(kc, vc, kvh, j0, end, lane, nch, ka, va)             # steps 0 and 1 in flight
-        load(kc, vc, kvh, j0 + stride, end, lane, nch, kb2, vb2)  # before q is read
+        early = n > 1                  # rows up to newest - 1 exist (uniform)
+        if early:                      # steps 0 and 1 in flight before q is read
+            load(kc, vc, kvh, j0, newest, lane, nch, ka, va)
+            load(kc, vc, kvh, j0 + stride, newest, lane, nch, kb2, vb2)
+        pdl_wait()
+        pdl_trigger()
+        if not early or (j0 <= newest and newest < min(end, j0 + KB)):
+            load(kc, vc, kvh, j0, end, lane, nch, ka, va)
+        if not early or (j0 + stride <= newest and newest < min(end, j0 + stride + KB)):
+            load(kc, vc, kvh, j0 + stride, end, lane, nch, kb2, vb2)
         qv = cuda.local.array(GC, float32)
         acc = cuda.local.array(GC, float32)
         for g in range(G):

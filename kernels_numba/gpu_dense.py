@@ -31,7 +31,8 @@ LIN16_THREADS = 64 if SIM else 256   # linear, 16-byte path: a block's threads (
 LIN16_BLOCKS_SM = 4                  # ... blocks an SM the registers must allow (<= 64 a thread)
 LIN16_LOADS = 8                      # ... 16-byte weight loads in flight a lane (U * R)
 LIN16_WARPS = 4 if SIM else 4224     # ... warps resident at once (132 SMs x 32 at 64 registers)
-LIN16_T_MAX = 0                      # ... taken by default for T <= this (else the 8-byte path)
+LIN16_T_MAX = 1                      # ... taken by default for T <= this (else the 8-byte path)
+LIN16_N_MIN = 2048                   # ... and N >= this (the router's 128 rows: 8-byte, as fast)
 # ^ 0 until the sweep picks its shapes: the first H200 sweep (2026-12-01, 5120 x 2048 only, T = 1)
 # had linear16_config's (1, 1, 8) at 10.50 us against the 8-byte default's 9.73, and Wide(2, 1, 4)
 # at 7.87 (0.65 of copy); the other matrices were not reached in that run's time budget
@@ -546,12 +547,17 @@ def linear16_config(n: int, k: int, t: int, cw: int = 8) -> Wide:
     one warp a row; K = 4096: two warps a row, the o projection's 2048 rows one wave). Fewer
     warps than a wave: each row split over more warps with fewer loads (768 rows: (1, 4, 2);
     the 128-row router: 8 warps a row, one load a lane) so every SM has loads in flight. The
-    LM head streams: 4 rows a warp, 2 loads a row (2 rows for a token tile over 4)."""
+    LM head streams: 4 rows a warp, 2 loads a row (2 rows for a token tile over 4), at <= 80
+    registers. A row of 4-8 loads (K = 2048 bf16) over >= LIN_ROWS2 rows: 2 rows a warp in two
+    rounds of half the row (H200, T = 1, PERF.md seventh session: q/k/v 5120 x 2048 7.49 us,
+    0.73 of copy; LM head 142 us, 1.13; the o projection's default (1, 2, 8) 6.83 us, 0.64)."""
     nw = LIN16_THREADS // WARP
     if n >= LIN_ROWS4:
         r = 4 if t <= 4 else 2
-        return Wide(r, 1, LIN16_LOADS // r)
+        return Wide(r, 1, LIN16_LOADS // r, blocks_sm=3)
     per_row = cdiv(k // cw, WARP)      # a warp's loads to cover a row
+    if n >= LIN_ROWS2 and t == 1 and 4 <= per_row <= LIN16_LOADS and per_row % 2 == 0:
+        return Wide(2, 1, per_row // 2)
     ks = 1
     while ks < nw and ks * LIN16_LOADS < per_row:
         ks *= 2
@@ -574,7 +580,7 @@ def linear_choice(w, x, norm=None):
     n, k = w.shape
     t = x.shape[0]
     cw = 4 if w.dtype == np.uint16 else 2
-    if t <= LIN16_T_MAX and _wide_fits(w, x, norm):
+    if t <= LIN16_T_MAX and n >= LIN16_N_MIN and _wide_fits(w, x, norm):
         return linear16_config(n, k, t, 2 * cw)
     return linear_config(n, k, t, cw)
 

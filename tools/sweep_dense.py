@@ -484,6 +484,8 @@ def parse_args(argv):
                     help=f"comma-separated subset of {','.join(OPS)} (default: all)")
     ap.add_argument("--budget", type=float, default=BUDGET_S,
                     help="seconds after which no new case starts (default %(default)s)")
+    ap.add_argument("--lin-shapes", help="linear: comma-separated NxK (default: all)")
+    ap.add_argument("--lin-tokens", help="linear: comma-separated T (default: all)")
     a = ap.parse_args(argv)
     a.ops = [o for o in a.ops.split(",") if o]
     bad = [o for o in a.ops if o not in OPS]
@@ -493,9 +495,13 @@ def parse_args(argv):
 
 
 def main() -> None:
-    global BUDGET_S
+    global BUDGET_S, LIN_SHAPES, LIN_TOKENS
     args = parse_args(sys.argv[1:])
     BUDGET_S = args.budget
+    if args.lin_shapes:
+        LIN_SHAPES = [tuple(int(v) for v in s.split("x")) for s in args.lin_shapes.split(",")]
+    if args.lin_tokens:
+        LIN_TOKENS = tuple(int(v) for v in args.lin_tokens.split(","))
     out_path = args.out
     t_start = time.time()
     if not SIM and not cuda.is_available():
