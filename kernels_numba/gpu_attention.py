@@ -109,6 +109,7 @@ def _make_partial(cw, chunk, G, NCL, KB, NW, FUSED):
     NT = NW * WARP
     FP = FAC_FLOATS // G if FUSED else 1   # pieces the fused merge holds factors for
 
+    @pdl_kernel
     @cuda.jit
     def partial(q, k64, v64, q_pos, scale, window, split, pm, pl, pacc, out):
         """q float32 [T, Hq, D]; k64, v64 uint64 [S_max, Hkv, D / cw]; out [T, Hq, D] (FUSED).
@@ -117,6 +118,8 @@ def _make_partial(cw, chunk, G, NCL, KB, NW, FUSED):
         scores the current ones. FUSED: each block that did a piece takes a ticket (float atomic
         on pm[t * Hq + h0, P]); the block that takes the last one merges the pieces of the G
         heads into out and resets the ticket to 0 (so a captured graph can replay it)."""
+        pdl_wait()
+        pdl_trigger()
         fac = cuda.shared.array((G, FP), float32)
         fl = cuda.shared.array((G, FP), float32)
         gmx = cuda.shared.array(G, float32)
@@ -337,12 +340,15 @@ def partial_kernel(kind: str, g: int, d: int, kb: int = KB, warps: int = ATT_WAR
 
 def _make_combine(DL):
     DW = DL * WARP
+    @pdl_kernel
     @cuda.jit
     def combine(q_pos, window, split, pm, pl, pacc, out):
         """Merge the used pieces of one (query, head): out [T, Hq, D]; grid T * Hq, COMB_THREADS.
 
         Warp w reads pieces w, w + COMB_PG, ... (lanes over D, DL values each, two pieces in
         flight); the COMB_PG partial sums meet in shared memory."""
+        pdl_wait()
+        pdl_trigger()
         red = cuda.shared.array(COMB_THREADS, float32)
         wred = cuda.shared.array(COMB_PG, float32)
         fac = cuda.shared.array(MAX_SPLITS, float32)
@@ -754,11 +760,14 @@ def _make_combine2(NCL):
             for x in range(C4):
                 acc[x] += f * buf[u * C4 + x]
 
+    @pdl_kernel
     @cuda.jit
     def combine2(q_pos, window, split, P, pm, pl, pacc, out):
         """Merge the used pieces (log2 units) of one head: out [1, Hq, D]; grid Hq, C2_THREADS.
         Warp w takes pieces w, w + NWC, ... (lanes over D, U pieces in flight); the first U
         are in flight while the pieces' maxima are reduced."""
+        pdl_wait()
+        pdl_trigger()
         red = cuda.shared.array(RED, float32)
         wred = cuda.shared.array(NWC, float32)
         fac = cuda.shared.array(MAX_SPLITS, float32)

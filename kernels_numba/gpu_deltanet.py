@@ -16,7 +16,8 @@ import math
 
 from numba import cuda, float32, int32
 
-from .gpu_util import SIM, WARP, block_sum, cdiv, silu, warp_sum, warp_sync
+from .gpu_util import (SIM, WARP, block_sum, cdiv, pdl_kernel, pdl_trigger, pdl_wait, silu,
+                        warp_sum, warp_sync)
 
 THREADS = 64 if SIM else 256        # elementwise kernels, conv (one thread per channel)
 NORM_THREADS = 64 if SIM else 128   # rmsnorm_gated: one warp per (token, head) row
@@ -50,12 +51,15 @@ assert CH_DK % CH_SP == 0
 
 # ---- causal depthwise conv1d + SiLU, rolling state --------------------------------------------
 
+@pdl_kernel
 @cuda.jit
 def _conv1d_silu(x, w, state, out):
     """x [T, C] -> out [T, C] (out may be x); w [C, Kc]; state [Kc-1, C] in/out, oldest first.
 
     One thread per channel walks the T tokens with the window in registers, so each input is
     read before its output overwrites it."""
+    pdl_wait()
+    pdl_trigger()
     win = cuda.local.array(MAX_KC, float32)
     c = cuda.grid(1)
     T, C = x.shape
@@ -104,8 +108,11 @@ def _head_cols(h, nv, nk, dk, dv):
     return kh * dk, kd + kh * dk, 2 * kd + h * dv
 
 
+@pdl_kernel
 @cuda.jit
 def _gates(b, a, neg_a, dt_bias, beta, g):
+    pdl_wait()
+    pdl_trigger()
     i = cuda.grid(1)
     T, nv = b.shape
     if i < T * nv:
@@ -125,6 +132,7 @@ def gates(b, a, neg_a, dt_bias, beta, g, stream):
 
 # ---- gated delta rule -------------------------------------------------------------------------
 
+@pdl_kernel
 @cuda.jit
 def _delta_rule(qkv, ba, neg_a, dt_bias, nk, state, out):
     """qkv [T, C] (the conv output: q [Nk Dk] | k [Nk Dk] | v [Nv Dv] per token);
@@ -134,6 +142,8 @@ def _delta_rule(qkv, ba, neg_a, dt_bias, nk, state, out):
     DN_SPLIT threads of a column hold rows i = r * DN_SPLIT + p in registers for all T tokens.
     Per token: S *= exp(g); S += k (x) beta (v - k^T S); o = q^T S (q, k L2-normalized, q
     scaled by Dk^-0.5). Column sums over the split go through shared memory."""
+    pdl_wait()
+    pdl_trigger()
     qs = cuda.shared.array(MAX_DK, float32)
     ks = cuda.shared.array(MAX_DK, float32)
     part = cuda.shared.array(DN_THREADS, float32)
@@ -424,10 +434,13 @@ def delta_rule_chunked(qkv, ba, neg_a, dt_bias, nk, state, out, stream):
 
 # ---- gated RMSNorm, sigmoid gates, zero fill --------------------------------------------------
 
+@pdl_kernel
 @cuda.jit
 def _rmsnorm_gated(x, z, w, eps, out):
     """x, z [T, G N] (G heads of N) -> out [T, G N] = w * x / rms(x) * silu(z) per head;
     one warp per (token, head)."""
+    pdl_wait()
+    pdl_trigger()
     red = cuda.shared.array(NORM_THREADS, float32)
     tid = cuda.threadIdx.x
     lane = tid % WARP
@@ -456,8 +469,11 @@ def rmsnorm_gated(x, z, w, eps, out, stream):
     _rmsnorm_gated[cdiv(rows, NORM_THREADS // WARP), NORM_THREADS, stream](x, z, w, float32(eps), out)
 
 
+@pdl_kernel
 @cuda.jit
 def _sigmoid_gate(x, gate):
+    pdl_wait()
+    pdl_trigger()
     i = cuda.grid(1)
     T, n = x.shape
     if i < T * n:

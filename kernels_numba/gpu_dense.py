@@ -708,9 +708,12 @@ def gemm(w, x, y, stream):
 
 # ---- RMSNorm ----------------------------------------------------------------------------------
 
+@pdl_kernel
 @cuda.jit
 def _rmsnorm(x, w, eps, w_offset, y):
     """x float32 [R, N], w float32 [N] -> y [R, N] = x / rms(x) * (w + w_offset); one warp a row."""
+    pdl_wait()
+    pdl_trigger()
     red = cuda.shared.array(NORM_THREADS, float32)
     tid = cuda.threadIdx.x
     lane = tid % WARP
@@ -728,9 +731,12 @@ def _rmsnorm(x, w, eps, w_offset, y):
             y[r, i] = x[r, i] * inv * (w[i] + w_offset)
 
 
+@pdl_kernel
 @cuda.jit
 def _rmsnorm_block(x, w, eps, w_offset, y):
     """Long rows: one block a row (NORM_BLOCK threads), block reduction."""
+    pdl_wait()
+    pdl_trigger()
     red = cuda.shared.array(NORM_BLOCK, float32)
     wred = cuda.shared.array(32, float32)
     r = cuda.blockIdx.x
@@ -758,11 +764,14 @@ def rmsnorm(x, w, eps, y, stream, w_offset=0.0):
 
 # ---- RoPE -------------------------------------------------------------------------------------
 
+@pdl_kernel
 @cuda.jit
 def _rope(x, positions, inv_freq, scaling):
     """In place on x float32 [T, nH, D]: rotate-half on the first R = 2 * len(inv_freq) dims.
 
     positions int32 [T] (device); angles in float64 so long positions stay exact."""
+    pdl_wait()
+    pdl_trigger()
     i = cuda.grid(1)
     T, nh, D = x.shape
     r2 = inv_freq.shape[0]
@@ -789,9 +798,12 @@ def rope(x, positions, inv_freq, stream, scaling=1.0):
 # ---- embedding, residual ----------------------------------------------------------------------
 
 def _make_embed(elem):
+    @pdl_kernel
     @cuda.jit
     def embed(ids, table, out):
         """ids int32 [T] (device), table [V, H] -> out float32 [T, H]."""
+        pdl_wait()
+        pdl_trigger()
         i = cuda.grid(1)
         T, H = out.shape
         if i < T * H:
@@ -811,8 +823,11 @@ def embed(ids, table, out, stream):
     kern[cdiv(n, EW_THREADS), EW_THREADS, stream](ids, table, out)
 
 
+@pdl_kernel
 @cuda.jit
 def _add(a, b, out):
+    pdl_wait()
+    pdl_trigger()
     i = cuda.grid(1)
     if i < out.shape[0]:
         out[i] = a[i] + b[i]
@@ -846,6 +861,7 @@ else:
 
 
 def _make_qk_norm_rope(STORE):
+    @pdl_kernel
     @cuda.jit
     def qk_norm_rope(q, k, wq, wk, eps, w_offset, positions, inv_freq, scaling, v, kc, vc):
         """q [T, Hq, D], k [T, Hkv, D] in place; one warp a head, heads (t, 0..Hq-1) of q then
@@ -854,6 +870,8 @@ def _make_qk_norm_rope(STORE):
         (f, f + R/2) and copies the dims past R. Padding warps join the reductions and barrier.
         STORE: a k head's warp also writes it, and v's head, into cache rows kc / vc [S, Hkv, D]
         at positions[t] (kv_store fused: one graph node fewer a layer)."""
+        pdl_wait()
+        pdl_trigger()
         red = cuda.shared.array(QKR_THREADS, float32)
         sh = cuda.shared.array((QKR_WARPS, QKR_MAX_D), float32)
         T, Hq, D = q.shape

@@ -36,7 +36,7 @@ import numpy as np
 from numba import cuda, float32, int32, typeof, uint32, uint64
 
 from .gpu_util import (E2M1_TABLE, E4M3_TABLE, FULL_MASK, M32, SIM, WARP, cdiv, float_as_uint,
-                       int_as_float, silu, warp_sum)
+                       int_as_float, pdl_kernel, pdl_trigger, pdl_wait, silu, warp_sum)
 
 FORMAT_CODE = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 CHUNK = {"bf16": 4, "fp8": 8, "nvfp4": 16}   # values in one 8-byte load
@@ -721,9 +721,12 @@ def _make_flat(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
             d += v[t] * xv[base + t]
         return d
 
+    @pdl_kernel
     @cuda.jit
     def gate_up(bank64, bank8, bankf, lay, slots, x, act):
         """x float32 [H] -> act float32 [K, I]; grid (cdiv(I, GR), K), threads ~ nch / GJ."""
+        pdl_wait()
+        pdl_trigger()
         tab = cuda.shared.array(16, float32)
         red = cuda.shared.array(RED, float32)
         part = cuda.shared.array(PG, float32)
@@ -777,9 +780,12 @@ def _make_flat(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
                 uu *= POST * bankf[slot, 1] * row_scale(bankf, slot, lay[3], r)
                 act[kk, r] = silu(g) * uu
 
+    @pdl_kernel
     @cuda.jit
     def down(bank64, bank8, bankf, lay, slots, weights, act, out, accumulate):
         """act float32 [K, I] -> out float32 [H] (+= when accumulate); grid cdiv(H, DR)."""
+        pdl_wait()
+        pdl_trigger()
         tab = cuda.shared.array(16, float32)
         red = cuda.shared.array(RED, float32)
         part = cuda.shared.array(PD, float32)
@@ -920,9 +926,12 @@ def _make_pipe(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
                     sb[u * NG + 2 * q] = uint32(bank8[slot, lay[1] + r * nch + j])
                     sb[u * NG + 2 * q + 1] = uint32(bank8[slot, lay[3] + r * nch + j])
 
+    @pdl_kernel
     @cuda.jit
     def gate_up(bank64, bank8, bankf, lay, slots, x, act):
         """x float32 [H] -> act float32 [K, I]; grid (blocks,), threads * GJ >= Hs / CW."""
+        pdl_wait()
+        pdl_trigger()
         tab = cuda.shared.array(16, float32)
         red = cuda.shared.array(RED, float32)
         part = cuda.shared.array(PG, float32)
@@ -997,10 +1006,13 @@ def _make_pipe(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
                 if FP8:
                     rq[u * DR + q] = _rs_fp8(bankf, slot, lay[5], r)
 
+    @pdl_kernel
     @cuda.jit
     def down(bank64, bank8, bankf, lay, slots, weights, act, out, accumulate):
         """act float32 [K, I] -> out float32 [H] (+= when accumulate); grid (blocks,),
         threads * DJ >= K * Is / CW."""
+        pdl_wait()
+        pdl_trigger()
         tab = cuda.shared.array(16, float32)
         red = cuda.shared.array(RED, float32)
         part = cuda.shared.array(PD, float32)
@@ -1275,9 +1287,12 @@ def _make_q(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
                 uu += part[pb + w * NG + 2 * tid + 1]
             act[k, r] = silu(g * POST * bankf[slot, 0]) * (uu * POST * bankf[slot, 1])
 
+    @pdl_kernel
     @cuda.jit
     def gate_up(bank64, bank8, bankf, lay, slots, x, act):
         """x float32 [H] -> act float32 [K, I]; grid (blocks,), threads * GJ >= Hs / 16."""
+        pdl_wait()
+        pdl_trigger()
         tab = cuda.shared.array(TN, TT_)
         red = cuda.shared.array(RED, float32)
         part = cuda.shared.array(PG2, float32)
@@ -1352,10 +1367,13 @@ def _make_q(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
                 o += part[pb + w * DR + tid]
             out[r] = o * POST + (out[r] if accumulate else float32(0.0))
 
+    @pdl_kernel
     @cuda.jit
     def down(bank64, bank8, bankf, lay, slots, weights, act, out, accumulate):
         """act float32 [K, I] -> out float32 [H] (+= when accumulate); grid (blocks,),
         threads * DJ >= K * Is / 16."""
+        pdl_wait()
+        pdl_trigger()
         tab = cuda.shared.array(TN, TT_)
         red = cuda.shared.array(RED, float32)
         part = cuda.shared.array(PD2, float32)
@@ -1808,16 +1826,19 @@ SWEEP = {   # what tools/sweep_experts.py times
               "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1",
               "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
               "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2", "lut-g32-d16",
-              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c"],
+              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c",
+              "mma-g4-d4-p3-c-x", "mma-g4-d4-p3-c-x4", "mma-g2-d4-a1-p3-c-x1"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
 }
 _VARIANT_RE = re.compile(r"^(p|q)?(tab|arith|mix|pair|bpair)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
 _LUT_RE = re.compile(r"^lut-g(\d+)-d(\d+)(?:-m(\d))?$")   # NVFP4: gpu_experts_lut, GW / DW warps a block
-_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(?:-m(\d))?$")   # NVFP4: gpu_experts_mma, SG / SD
+_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(-x(\d)?)?(?:-m(\d))?$")   # NVFP4: gpu_experts_mma, SG / SD
 # steps a warp, LA steps loaded ahead (default all), P the weight loads' cache hints, -c the
-# scales on the D columns, -m1 / -m2 diagnostic modes (wrong results)
+# scales on the D columns, -x<N> (needs -c) gate_up's weights and both kernels' scales staged in
+# shared memory by cp.async (N groups in gate_up, default 2), -m1 / -m2 diagnostic modes (wrong
+# results)
 _FLAT = {}
 
 
@@ -1831,8 +1852,9 @@ def parse_variant(fmt: str, variant: str):
         return ("lut", int(m.group(1)), int(m.group(3) or 0), int(m.group(2)), 0)
     m = _MMA_RE.match(v)
     if m and fmt == "nvfp4":
-        extra = (int(m.group(3) or 0), int(m.group(6) or 0), int(m.group(4) or 0),
-                 int(bool(m.group(5))))                               # LA, MODE, P, COLS
+        xs = int(m.group(7) or 2) if m.group(6) else 0
+        extra = (int(m.group(3) or 0), int(m.group(8) or 0), int(m.group(4) or 0),
+                 int(bool(m.group(5))), xs)                           # LA, MODE, P, COLS, XS
         return ("mma", int(m.group(1)), extra, int(m.group(2)), 0)
     m = _VARIANT_RE.match(v)
     ok = (fmt == "nvfp4" and m.group(2) in _Q_DEC) if m and m.group(1) == "q" else \

@@ -11,14 +11,17 @@ import math
 
 from numba import cuda, float32
 
-from .gpu_util import SIM, cdiv
+from .gpu_util import SIM, cdiv, pdl_kernel, pdl_trigger, pdl_wait
 
 THREADS = 64 if SIM else 256
 
 
+@pdl_kernel
 @cuda.jit
 def _kv_store(k, v, kc, vc, pos):
     """k, v float32 [T, Hkv, D] -> kc, vc [S, Hkv, D] at rows pos[t] (device positions)."""
+    pdl_wait()
+    pdl_trigger()
     i = cuda.grid(1)
     T, nh, D = k.shape
     if i < T * nh * D:
@@ -36,9 +39,12 @@ def kv_store(k, v, kc, vc, pos, stream):
     _kv_store[cdiv(n, THREADS), THREADS, stream](k, v, kc, vc, pos)
 
 
+@pdl_kernel
 @cuda.jit
 def _add_rows(x, b):
     """x [T, N] += b [N]."""
+    pdl_wait()
+    pdl_trigger()
     i = cuda.grid(1)
     T, N = x.shape
     if i < T * N:
@@ -50,8 +56,11 @@ def add_rows(x, b, stream):
     _add_rows[cdiv(n, THREADS), THREADS, stream](x, b)
 
 
+@pdl_kernel
 @cuda.jit
 def _clip(x, lim):
+    pdl_wait()
+    pdl_trigger()
     i = cuda.grid(1)
     if i < x.shape[0]:
         x[i] = min(max(x[i], -lim), lim)
@@ -62,8 +71,11 @@ def clip(x, lim, stream):
     _clip[cdiv(x.shape[0], THREADS), THREADS, stream](x, float32(lim))
 
 
+@pdl_kernel
 @cuda.jit
 def _silu_mul(g, u, out):
+    pdl_wait()
+    pdl_trigger()
     i = cuda.grid(1)
     if i < out.shape[0]:
         a = g[i]
@@ -75,8 +87,11 @@ def silu_mul(g, u, out, stream):
     _silu_mul[cdiv(out.shape[0], THREADS), THREADS, stream](g, u, out)
 
 
+@pdl_kernel
 @cuda.jit
 def _zero(x):
+    pdl_wait()
+    pdl_trigger()
     i = cuda.grid(1)
     if i < x.shape[0]:
         x[i] = float32(0.0)
@@ -87,8 +102,11 @@ def zero(x, stream):
     _zero[cdiv(x.shape[0], THREADS), THREADS, stream](x)
 
 
+@pdl_kernel
 @cuda.jit
 def _advance(pos):
+    pdl_wait()
+    pdl_trigger()
     pos[0] += 1
 
 

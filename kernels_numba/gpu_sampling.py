@@ -90,13 +90,19 @@ def _make_router_topk(SLOTS):
                 weights[t, k] = weights[t, k] / tot
 
     if SLOTS:
+        @pdl_kernel
         @cuda.jit
         def router_topk_slots(logits, norm, ids, weights, slot_of, slots):
+            pdl_wait()
+            pdl_trigger()
             body(logits, norm, ids, weights, slot_of, slots)
         return router_topk_slots
 
+    @pdl_kernel
     @cuda.jit
     def router_topk(logits, norm, ids, weights):
+        pdl_wait()
+        pdl_trigger()
         body(logits, norm, ids, weights, ids[0], ids)   # the slot arguments unused
     return router_topk
 
@@ -221,8 +227,11 @@ def router_topk(logits, norm_topk_prob, ids, weights, stream, slots=None, varian
     kern[t, WARP, stream](logits, norm, ids, weights, slot_of, out)
 
 
+@pdl_kernel
 @cuda.jit
 def _argmax(logits, out):
+    pdl_wait()
+    pdl_trigger()
     red = cuda.shared.array(BLOCK, float32)
     red_i = cuda.shared.array(BLOCK, int32)
     wred = cuda.shared.array(MAX_WARPS, float32)
@@ -286,8 +295,11 @@ def _cut_below(probs, thr, red, wred):
     return total
 
 
+@pdl_kernel
 @cuda.jit
 def _sample(logits, params, u, probs, out):
+    pdl_wait()
+    pdl_trigger()
     red = cuda.shared.array(BLOCK, float32)
     red_i = cuda.shared.array(BLOCK, int32)
     wred = cuda.shared.array(MAX_WARPS, float32)
