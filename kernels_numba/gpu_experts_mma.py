@@ -25,16 +25,8 @@ one conflict-free 128-byte line. Each warp fills (and reads) only its own steps'
     down:    block = 16 output rows; the columns are all K experts' rows side by side (an
              expert's routing weight and global scale folded into its B values); warp w
              takes steps [w S, w S + S) of the K * Is / 128 -> out [H] (+= when accumulate)
-Variant "mma-g<SG>-d<SD>[-a<LA>][-p<P>][-c][-x[<N>]][-m<MODE>]" (gpu_experts.parse_variant):
-steps a warp, steps loaded ahead, the weight loads' cache hints, the scale placement, staging,
-diagnostics. "-x<N>" (needs -c; N default 2, at most 4): gate_up copies its block's bytes (8
-gate + 8 up rows of values, then of scales: contiguous 16-byte chunks, 8 threads a 128-byte
-line) global -> shared with cp.async in N commit groups (group j: every warp's local steps
-[j S / N, (j + 1) S / N); the scales with group 0) and multiplies group j while the later ones
-land; LA and P do not apply to it. down stages only its K experts' scale rows (one group,
-issued before pdl_wait): its values (16 rows x K Is / 2 bytes, 48 KB at Qwen3-30B) and the B
-fragments (24 KB) do not fit the 48 KB together, so they still come through registers.
-Shared rows are padded (_x_strides) so the fragment reads are bank-conflict-free.
+Variant "mma-g<SG>-d<SD>[-a<LA>][-p<P>][-c][-m<MODE>]" (gpu_experts.parse_variant): steps a
+warp, steps loaded ahead, the weight loads' cache hints, the scale placement, diagnostics.
 Needs Hs and Is multiples of 128 (supported() says; the launcher falls back to the q kernels).
 Under the simulator the mma, the f16 multiply and the split run as numpy emulations.
 H200 (docs/PERF.md, sixth session): 19.6 / 17.4 / 30.9 us a layer at Qwen3-30B / Next-80B /
@@ -46,15 +38,13 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .gpu_util import (SIM, WARP, cdiv, cp_async4, cp_async_commit, cp_async_wait_group,
-                        float_as_uint, int_as_float, lds4, pdl_kernel, pdl_trigger, pdl_wait, silu,
-                        warp_max, warp_sync)
+from .gpu_util import (SIM, WARP, cdiv, float_as_uint, int_as_float, pdl_kernel, pdl_trigger,
+                        pdl_wait, silu, warp_max, warp_sync)
 
 STEP = 128                        # columns a warp's step covers (64 bytes a row, 16 a lane)
 STEP_U32 = 128                    # shared uint32 of B fragments a step (4 words x 2 x 4 x 4)
 MAX_WARPS = 32
 SHARED_LIMIT = 48 * 1024          # dynamic shared bytes without the opt-in
-STATIC_SHARED = 4096              # the kernels' static shared arrays (part, red, mx), rounded up
 RED = 1024 if SIM else 1          # the simulator's block reductions (unused on the GPU)
 MXW = MAX_WARPS if SIM else 1     # the simulator's mma scratch, [warps, 32 lanes, 6 words]
 _MAG, _SGN = np.uint32(0x0E000E00), np.uint32(0x80008000)
@@ -305,37 +295,17 @@ def _store_unit(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
     bsh[base + 19] = l3
 
 
-@cuda.jit(device=True, inline=True)
-def _x_strides(n):
-    """"-x" shared row strides (bytes) of the values and scales of rows of n columns (n a multiple
-    of 128): values n / 2 made 64 mod 128 (the 8 lanes of a quarter warp read 16 bytes of rows g
-    and g + 1 at the same 64-byte step: disjoint banks), scales n / 16 made 16 mod 32 where it is
-    0 mod 32 (lanes read 2 bytes of rows g = 0-7: 8 or 16 mod 32 puts the rows on distinct bank
-    pairs); a padded row stays a multiple of 16 bytes (the copies' alignment)."""
-    sc = n >> 4
-    return (n >> 1) | int32(64), sc + (int32(16) if (sc & int32(31)) == 0 else int32(0))
-
-
-def _x_strides_host(n: int):
-    sc = n >> 4
-    return (n >> 1) | 64, sc + (16 if sc % 32 == 0 else 0)
-
-
-def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0):
+def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
     """(gate_up, down) with S steps (S * 128 columns) a warp, the loads of LA steps in flight
     ahead of the one multiplied (LA = S: every load issued first), weight loads with cache
     hints P (see _LD4). MODE (diagnostics for the sweep, wrong results): 1 = no input loads
     (x = 1), 2 = no decode or mma (the words XORed into the sums). COLS: E4M3 scales applied to
-    each group's own D columns in f32 (no f16 multiplies; see steps), else to A in f16.
-    XS (needs COLS): gate_up stages its weights and scales through shared memory with cp.async in
-    XS commit groups (group j: the warps' steps j S / XS ..; the scales with group 0), down its
-    scales (one group; its values still come through registers, LA ahead). See _x_strides."""
+    each group's own D columns in f32 (no f16 multiplies; see steps), else to A in f16."""
     NW8 = 8 * S                   # weight words a lane holds: 2 rows x 4 words a step
     NS2 = 2 * S
     UPT = cdiv(S, 2)              # (step, word, t) units of B a lane fills: 16 S a warp
     NV = 8 * UPT
     ld4 = _LD4[P]
-    NSTG = min(max(XS, 1), S, 4)  # gate_up's cp.async groups (at most MAXSTG)
 
     @cuda.jit(device=True, inline=True)
     def load(bank32, bank16, slots, slot0, wv, sv, s, wp, nst, nsi, a0, a1, s0, s1, down):
@@ -350,9 +320,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0
             slot = slots[ke]
         wv[8 * s], wv[8 * s + 1], wv[8 * s + 2], wv[8 * s + 3] = ld4(bank32, slot, a0 + st * 16)
         wv[8 * s + 4], wv[8 * s + 5], wv[8 * s + 6], wv[8 * s + 7] = ld4(bank32, slot, a1 + st * 16)
-        if not XS:    # XS: the scales are in shared memory (sx_scales)
-            sv[2 * s] = uint32(bank16[slot, uint32(s0 + st * 4)])     # unsigned: no wraparound
-            sv[2 * s + 1] = uint32(bank16[slot, uint32(s1 + st * 4)])
+        sv[2 * s] = uint32(bank16[slot, uint32(s0 + st * 4)])     # unsigned: no wraparound
+        sv[2 * s + 1] = uint32(bank16[slot, uint32(s1 + st * 4)])
 
     @cuda.jit(device=True, inline=True)
     def fill(bsh, v, red):
@@ -375,12 +344,10 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0
 
     @cuda.jit(device=True, inline=True)
     def steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot0, wp, nst, nsi, a0, a1, s0, s1,
-              down, xv, xa, xb):
+              down):
         """The warp's S steps: rows g (words wv[8 s + q], scales sv[2 s]) and g + 8 (wv[8 s + 4 +
         q], sv[2 s + 1]) against the B fragments of steps wp S .. wp S + S - 1; steps LA .. S - 1
-        are loaded here, LA steps ahead of the one multiplied. XS: the scales of rows g / g + 8
-        at shared byte xa / xb + 8 st (+ the expert's offset on down), and with xv (gate_up) the
-        words too, at byte xa / xb + 64 st (values) after the wait for step s's group."""
+        are loaded here, LA steps ahead of the one multiplied."""
         lane = uint32(cuda.threadIdx.x) & uint32(31)
         sel = ((((lane >> _S2) & uint32(1)) << _S2) | (lane & uint32(3))) << _S2
         st0 = wp * int32(S)
@@ -393,29 +360,9 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0
         c2 = float32(0.0)
         c3 = float32(0.0)
         for s in range(S):
-            if XS and xv:
-                if s == 0 or (s * NSTG) // S != ((s - 1) * NSTG) // S:    # step s opens a group
-                    cp_async_wait_group(NSTG - 1 - (s * NSTG) // S)
-                    cuda.syncthreads()
-                xst = uint32(min(st0 + int32(s), nst - int32(1)))    # past nst: unused, any step
-                ia = (uint32(a0) + xst * uint32(64)) >> _S2
-                ib = (uint32(a1) + xst * uint32(64)) >> _S2
-                wv[8 * s], wv[8 * s + 1], wv[8 * s + 2], wv[8 * s + 3] = lds4(bsh, ia)
-                wv[8 * s + 4], wv[8 * s + 5], wv[8 * s + 6], wv[8 * s + 7] = lds4(bsh, ib)
-                sh = (lane & uint32(1)) << _S4
-                sv[2 * s] = bsh[(uint32(s0) + xst * uint32(8)) >> _S2] >> sh
-                sv[2 * s + 1] = bsh[(uint32(s1) + xst * uint32(8)) >> _S2] >> sh
-            else:
-                if s + LA < S:
-                    load(bank32, bank16, slots, slot0, wv, sv, s + LA, wp, nst, nsi, a0, a1, s0,
-                         s1, down)
-                if XS:            # down: the scales from shared memory, the words loaded ahead
-                    xst = min(st0 + int32(s), nst - int32(1))
-                    ke = xst // nsi
-                    xo = uint32(ke) * uint32(xb) + uint32(xst - ke * nsi) * uint32(8)
-                    sh = (lane & uint32(1)) << _S4
-                    sv[2 * s] = bsh[(uint32(xa) + xo) >> _S2] >> sh
-                    sv[2 * s + 1] = bsh[(uint32(xa) + uint32(xb >> 1) + xo) >> _S2] >> sh
+            if s + LA < S:
+                load(bank32, bank16, slots, slot0, wv, sv, s + LA, wp, nst, nsi, a0, a1, s0, s1,
+                     down)
             if MODE == 2:
                 x_ = sv[2 * s] ^ sv[2 * s + 1]
                 for q in range(8):
@@ -457,70 +404,6 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0
             return _quad_sum(c0, red) * float32(128.0), _quad_sum(c2, red) * float32(128.0)
         return c0 + c1, c2 + c3
 
-    def make_x_values(j):
-        """cp.async group j of gate_up's values: rows r0 .. r0 + nval - 1 of gate (shared rows
-        0-7) and up (8-15), the warps' local steps [A, B) to shared byte voff + row vs + 64 st.
-        Chunk c = (warp 16 + row) CPS + kk: 8 consecutive threads copy 128 contiguous bytes of
-        a row when CPS >= 8; every thread copies CPS / 2 chunks (compile-time divisors only)."""
-        A = cdiv(j * S, NSTG)
-        B = cdiv((j + 1) * S, NSTG)
-        CPS = 4 * (B - A)                             # 16-byte chunks of a warp's row segment
-
-        @cuda.jit(device=True, inline=True)
-        def xv(bsh, bank32, slot, nst, nval, gq, uq, r0, Hs, voff, vs):
-            rb = uint32(Hs) >> _S1
-            tid = uint32(cuda.threadIdx.x)
-            nt = uint32(cuda.blockDim.x)
-            for i in range(CPS // 2):
-                c = tid + uint32(i) * nt
-                w = c // uint32(16 * CPS)
-                row = (c // uint32(CPS)) & uint32(15)
-                kk = c % uint32(CPS)
-                st = w * uint32(S) + uint32(A) + (kk >> _S2)
-                rl = row & _S7
-                if st < uint32(nst) and rl < uint32(nval):
-                    col = st * uint32(64) + (kk & uint32(3)) * uint32(16)
-                    src = uint32(gq if row < uint32(8) else uq) + (uint32(r0) + rl) * rb + col
-                    cp_async4(bsh, (uint32(voff) + row * uint32(vs) + col) >> _S2, bank32, slot,
-                              src >> _S2)
-        return xv
-
-    MAXSTG = 4
-    xv0, xv1, xv2, xv3 = (make_x_values(min(j, NSTG - 1)) for j in range(MAXSTG))
-
-    def make_x_scales(GU):
-        @cuda.jit(device=True, inline=True)
-        def x_scales(bsh, bank32, slots, slot, nsp, rbs, nval, sa, sb, r0, soff, ss):
-            """cp.async of nsp spans of E4M3 scale rows (rbs bytes, a multiple of 8), rows r0 ..
-            r0 + nval - 1 of each: GU: gate (span 0 at sa) and up (span 1 at sb), 8 rows a span;
-            else span ke = expert ke's 16 rows at sa of slots[ke]. To shared byte soff + (span
-            16 + row) ss + col (ss > rbs: padded rows, a multiple of 16 bytes)."""
-            half = uint32(8 if GU else 16)
-            per = (half * uint32(rbs)) >> _S4             # 16-byte chunks a span
-            lim = uint32(nval) * uint32(rbs)              # bytes of the span's real rows
-            tot = uint32(nsp) * per
-            c = uint32(cuda.threadIdx.x)
-            while c < tot:
-                if GU:
-                    sp = uint32(1) if c >= per else uint32(0)
-                    base = uint32(sb) if c >= per else uint32(sa)
-                    sl = slot
-                else:
-                    sp = c // per
-                    base = uint32(sa)
-                    sl = slots[sp]
-                bb = (c - sp * per) << _S4
-                if bb < lim:      # a chunk over a row boundary (rbs 8 mod 16) reads on into the
-                    d = bb        # next row (the section's tail, or the next one): in the block
-                    if uint32(ss) != uint32(rbs):
-                        d += (bb // uint32(rbs)) * uint32(ss - rbs)
-                    cp_async4(bsh, (uint32(soff) + sp * half * uint32(ss) + d) >> _S2, bank32, sl,
-                              (base + uint32(r0) * uint32(rbs) + bb) >> _S2)
-                c += uint32(cuda.blockDim.x)
-        return x_scales
-
-    x_scales_gu, x_scales_dn = make_x_scales(True), make_x_scales(False)
-
     @cuda.jit
     def gate_up(bank32, bank16, bankf, slots, x, act, gq, gsc, uq, usc, H, I, Hs):
         """x float32 [H] -> act float32 [K, I]; grid K * cdiv(I, 8), warps * S * 128 >= Hs,
@@ -543,37 +426,14 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0
         pdl_wait()                            # the slots are the router's, just before
         pdl_trigger()
         slot = slots[k]
+        ga = (gq + r * (Hs >> 1) + t * int32(16)) >> 2     # uint32 index, step 0
+        ua = (uq + r * (Hs >> 1) + t * int32(16)) >> 2
+        gs = (gsc + r * (Hs >> 4) + t * int32(2)) >> 1     # uint16 index
+        us = (usc + r * (Hs >> 4) + t * int32(2)) >> 1
         wv = cuda.local.array(NW8, uint32)
         sv = cuda.local.array(NS2, uint32)
-        if XS:    # every weight byte through shared memory (_x_strides), in NSTG groups
-            voff = (nt >> 5) * int32(S * STEP_U32 * 4) + int32(16)    # after B, zero chunk
-            vs, ss = _x_strides(Hs)
-            soff = voff + int32(16) * vs
-            nval = min(I - r0, int32(8))
-            xv0(bsh, bank32, slot, nst, nval, gq, uq, r0, Hs, voff, vs)
-            x_scales_gu(bsh, bank32, slots, slot, int32(2), Hs >> 4, nval, gsc, usc, r0, soff, ss)
-            cp_async_commit()
-            if NSTG > 1:
-                xv1(bsh, bank32, slot, nst, nval, gq, uq, r0, Hs, voff, vs)
-                cp_async_commit()
-            if NSTG > 2:
-                xv2(bsh, bank32, slot, nst, nval, gq, uq, r0, Hs, voff, vs)
-                cp_async_commit()
-            if NSTG > 3:
-                xv3(bsh, bank32, slot, nst, nval, gq, uq, r0, Hs, voff, vs)
-                cp_async_commit()
-            ga = voff + g * vs + t * int32(16)              # shared bytes, step 0
-            ua = voff + (g + int32(8)) * vs + t * int32(16)
-            gs = soff + g * ss + (t >> 1) * int32(4)
-            us = soff + (g + int32(8)) * ss + (t >> 1) * int32(4)
-        else:
-            ga = (gq + r * (Hs >> 1) + t * int32(16)) >> 2     # uint32 index, step 0
-            ua = (uq + r * (Hs >> 1) + t * int32(16)) >> 2
-            gs = (gsc + r * (Hs >> 4) + t * int32(2)) >> 1     # uint16 index
-            us = (usc + r * (Hs >> 4) + t * int32(2)) >> 1
-            for s in range(LA):                   # the first LA steps' weights
-                load(bank32, bank16, slots, slot, wv, sv, s, wp, nst, int32(1), ga, ua, gs, us,
-                     False)
+        for s in range(LA):                   # the first LA steps' weights
+            load(bank32, bank16, slots, slot, wv, sv, s, wp, nst, int32(1), ga, ua, gs, us, False)
         if tid < 4:
             bsh[(nt >> 5) * int32(S * STEP_U32) + tid] = uint32(0)   # the zero chunk
         cuda.syncthreads()   # ptxas sinks the weight loads below the fill, never below a barrier
@@ -589,7 +449,7 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0
                 v[8 * i + j] = a if e < H else float32(0.0)
         inv = fill(bsh, v, red)
         dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, nst, int32(1), ga, ua,
-                       gs, us, False, True, int32(0), int32(0))
+                       gs, us, False)
         if t == 0:
             part[wp, g] = dg * inv
             part[wp, 8 + g] = du * inv
@@ -633,16 +493,6 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0
         # the wait for gate_up's act
         for s in range(LA):
             load(bank32, bank16, slots, int32(0), wv, sv, s, wp, nst, nsi, da, db, sa, sb, True)
-        xa = int32(0)
-        xb = int32(0)
-        if XS:    # the scales of all K experts through shared memory, one group
-            soff = (nt >> 5) * int32(S * STEP_U32 * 4) + int32(16)
-            _, ss = _x_strides(Is)
-            x_scales_dn(bsh, bank32, slots, int32(0), K, Is >> 4, min(H - r0, int32(16)), dsc,
-                     int32(-1), r0, soff, ss)
-            cp_async_commit()
-            xa = soff + g * ss + (t >> 1) * int32(4)
-            xb = int32(16) * ss
         pdl_wait()
         pdl_trigger()
         if tid < 4:
@@ -660,11 +510,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0
                 a = act[ke, uint32(min(e, I - int32(1)))] * f if MODE != 1 else float32(1.0)
                 v[8 * i + j] = a if e < I and st < nst else float32(0.0)
         inv = fill(bsh, v, red)
-        if XS:
-            cp_async_wait_group(0)
-            cuda.syncthreads()
         d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), wp, nst, nsi, da, db,
-                       sa, sb, True, False, xa, xb)
+                       sa, sb, True)
         if t == 0:
             part[wp, g] = d0 * inv
             part[wp, 8 + g] = d1 * inv
@@ -682,10 +529,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, XS: int = 0
 _KERNELS = {}
 
 
-def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0, cols: int = 0, xs: int = 0):
-    if xs and not cols:
-        raise ValueError("mma variant: -x (scales in shared memory) needs -c")
-    key = (s, min(la or s, s), mode, p, cols, xs)
+def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0, cols: int = 0):
+    key = (s, min(la or s, s), mode, p, cols)
     if key not in _KERNELS:
         _KERNELS[key] = _make(*key)
     return _KERNELS[key]
@@ -696,64 +541,40 @@ def _views(b8):
     return b8.view(np.uint32), b8.view(np.uint16)
 
 
-def _smem(lay_host, k, sg, sd, xs):
-    """(gate_up, down) dynamic shared bytes: B fragments (warps * S steps * 512) and the zero
-    chunk; with "-x" gate_up's 16 rows of values and scales, down's K experts' 16 scale rows."""
-    hs, is_ = int(lay_host[8]), int(lay_host[9])
-    wg = cdiv(hs // STEP, sg)
-    wd = cdiv(k * is_ // STEP, sd)
-    g = wg * sg * STEP_U32 * 4 + 16
-    d = wd * sd * STEP_U32 * 4 + 16
-    if xs:
-        vs, ss = _x_strides_host(hs)
-        g += 16 * (vs + ss)
-        d += k * 16 * _x_strides_host(is_)[1]
-    return g, d
-
-
-def _shape(lay_host, k, sg, sd, xs=0):
+def _shape(lay_host, k, sg, sd):
     """(gate_up warps, down warps), or None when these kernels cannot run the layout."""
     hs, is_ = int(lay_host[8]), int(lay_host[9])
     if hs % STEP or is_ % STEP or any(int(o) % 16 for o in lay_host[:6]):
         return None
     wg = cdiv(hs // STEP, sg)
     wd = cdiv(k * is_ // STEP, sd)
-    lim = SHARED_LIMIT - (STATIC_SHARED if xs else 0)
-    if max(wg, wd) > MAX_WARPS or max(_smem(lay_host, k, sg, sd, xs)) > lim:
+    if max(wg, wd) > MAX_WARPS or max(wg * sg, wd * sd) * STEP_U32 * 4 + 16 > SHARED_LIMIT:
         return None
     return wg, wd
 
 
-def _xs(cfg):
-    return cfg[2][4] if len(cfg[2]) > 4 else 0
-
-
 def supported(lay_host, k: int, cfg, row_bytes: int) -> bool:
-    if _xs(cfg) and not cfg[2][3]:
-        raise ValueError("mma variant: -x (scales in shared memory) needs -c")
-    return row_bytes % 16 == 0 and _shape(lay_host, k, cfg[1], cfg[3], _xs(cfg)) is not None
+    return row_bytes % 16 == 0 and _shape(lay_host, k, cfg[1], cfg[3]) is not None
 
 
 def gate_up(cfg, views, lay, lay_host, slots, x, act, stream):
-    """cfg = ("mma", SG, (LA, MODE, P, COLS, XS), SD, 0) (LA 0: every load first)."""
+    """cfg = ("mma", SG, (LA, MODE, P, COLS), SD, 0) (LA 0: every load first)."""
     _, b8, bf = views
     b32, b16 = _views(b8)
-    sg, xs = cfg[1], _xs(cfg)
-    wg, _ = _shape(lay_host, slots.shape[0], sg, cfg[3], xs)
-    sh, _ = _smem(lay_host, slots.shape[0], sg, cfg[3], xs)
+    sg = cfg[1]
+    wg, _ = _shape(lay_host, slots.shape[0], sg, cfg[3])
     grid = slots.shape[0] * cdiv(int(lay_host[7]), 8)
     L = [int32(v) for v in lay_host]
-    kernels(sg, *cfg[2])[0][grid, wg * WARP, stream, sh](
+    kernels(sg, *cfg[2])[0][grid, wg * WARP, stream, wg * sg * STEP_U32 * 4 + 16](
         b32, b16, bf, slots, x, act, L[0], L[1], L[2], L[3], L[6], L[7], L[8])
 
 
 def down(cfg, views, lay, lay_host, slots, weights, act, out, stream, accumulate):
     _, b8, bf = views
     b32, b16 = _views(b8)
-    sd, xs = cfg[3], _xs(cfg)
-    _, wd = _shape(lay_host, slots.shape[0], cfg[1], sd, xs)
-    _, sh = _smem(lay_host, slots.shape[0], cfg[1], sd, xs)
+    sd = cfg[3]
+    _, wd = _shape(lay_host, slots.shape[0], cfg[1], sd)
     L = [int32(v) for v in lay_host]
-    kernels(sd, *cfg[2])[1][cdiv(int(lay_host[6]), 16), wd * WARP, stream, sh](
+    kernels(sd, *cfg[2])[1][cdiv(int(lay_host[6]), 16), wd * WARP, stream, wd * sd * STEP_U32 * 4 + 16](
         b32, b16, bf, slots, weights, act, out, int32(1 if accumulate else 0), L[4], L[5], L[6],
         L[7], L[9])

@@ -147,9 +147,9 @@ ld4cg = make_ld(4, "cg", True)  # 16 bytes other blocks of this launch wrote (af
 ld4_pinned = make_ld(4, "nc", volatile=True)
 
 
-# lds4(a, i) -> a[i:i + 4] as one 16-byte load, a float32 (or uint32) 1-D array whose a[i] is
-# 16-byte aligned (shared memory declared with alignment=16, or dynamic shared memory): ld.shared.v4
-# where indexing element by element costs four loads and four negative-index checks.
+# lds4(a, i) -> a[i:i + 4] as one 16-byte load, a float32 1-D array whose a[i] is 16-byte
+# aligned (shared memory declared with alignment=16): ld.shared.v4 where indexing element by
+# element costs four loads and four negative-index checks.
 if SIM:
     @cuda.jit(device=True)
     def lds4(a, i):
@@ -159,18 +159,17 @@ else:
         arr = context.make_array(aty)(context, builder, value=arr_val)
         ptr = cgutils.get_item_pointer(context, builder, aty, arr,
                                        [context.cast(builder, i_val, i_ty, types.intp)])
-        elt = ir.FloatType() if aty.dtype == types.float32 else ir.IntType(32)
-        return builder.bitcast(ptr, ir.VectorType(elt, 4).as_pointer())
+        return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), 4).as_pointer())
 
     def _f32_vector(a, i):
-        return (isinstance(a, types.Array) and a.ndim == 1
-                and a.dtype in (types.float32, types.uint32) and isinstance(i, types.Integer))
+        return (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32
+                and isinstance(i, types.Integer))
 
     @intrinsic
     def lds4(typingctx, a, i):
         if not _f32_vector(a, i):
             return None
-        sig = types.UniTuple(a.dtype, 4)(a, i)
+        sig = types.UniTuple(types.float32, 4)(a, i)
 
         def codegen(context, builder, sig, args):
             v = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1],
@@ -183,11 +182,8 @@ else:
 
 # cp_async4(dst, i, src, j, ..., k): dst[i:i + 4] = src[j, ..., k:k + 4] as one 16-byte
 # cp.async.cg (global -> shared, through L2, no registers held while in flight); dst a float32
-# 1-D shared array 16-byte aligned at i, src float32 with 16-byte aligned rows (or both uint32).
+# 1-D shared array 16-byte aligned at i, src float32 with 16-byte aligned rows.
 # cp_async_wait(): waits for this thread's copies; a barrier after it publishes them.
-# cp_async_commit(): closes this thread's copies issued since the last commit into a group;
-# cp_async_wait_group(n): waits until at most n of this thread's groups are pending (n < 8, a
-# constant after unrolling: a chain of branches otherwise). The simulator copies at once.
 if SIM:
     @cuda.jit(device=True)
     def cp_async4(dst, i, src, *idx):
@@ -198,19 +194,11 @@ if SIM:
     @cuda.jit(device=True)
     def cp_async_wait():
         pass
-
-    @cuda.jit(device=True)
-    def cp_async_commit():
-        pass
-
-    @cuda.jit(device=True)
-    def cp_async_wait_group(n):
-        pass
 else:
     @intrinsic
     def cp_async4(typingctx, dst, i, src, *idx):
         if not (_f32_vector(dst, i) and isinstance(src, types.Array)
-                and src.dtype == dst.dtype and src.ndim == len(idx)
+                and src.dtype == types.float32 and src.ndim == len(idx)
                 and all(isinstance(j, types.Integer) for j in idx)):
             return None
         sig = types.none(dst, i, src, types.StarArgTuple.from_types(idx))
@@ -242,42 +230,6 @@ else:
             builder.call(asm, [])
             return context.get_dummy_value()
         return sig, codegen
-
-    def _cp_async_op(text):
-        @intrinsic
-        def op(typingctx):
-            sig = types.none()
-
-            def codegen(context, builder, sig, args):
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
-                                   side_effect=True)
-                builder.call(asm, [])
-                return context.get_dummy_value()
-            return sig, codegen
-        return op
-
-    cp_async_commit = _cp_async_op("cp.async.commit_group;")
-    _WG = [_cp_async_op(f"cp.async.wait_group {n};") for n in range(8)]
-    _wg0, _wg1, _wg2, _wg3, _wg4, _wg5, _wg6, _wg7 = _WG
-
-    @cuda.jit(device=True, inline=True)
-    def cp_async_wait_group(n):
-        if n <= 0:
-            _wg0()
-        elif n == 1:
-            _wg1()
-        elif n == 2:
-            _wg2()
-        elif n == 3:
-            _wg3()
-        elif n == 4:
-            _wg4()
-        elif n == 5:
-            _wg5()
-        elif n == 6:
-            _wg6()
-        else:
-            _wg7()
 
 
 # ---- programmatic dependent launch (sm_90+) --------------------------------------------------
@@ -505,5 +457,4 @@ __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "f
            "bf16_lo", "bf16_hi", "bf16_at", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
            "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15",
            "make_ld", "ld4", "ld2", "ld4cg", "ld4_pinned", "lds4", "cp_async4",
-           "cp_async_wait", "cp_async_commit", "cp_async_wait_group", "aligned", "pdl_wait",
-           "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]
+           "cp_async_wait", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]
