@@ -233,3 +233,46 @@ def test_decode_graph_replay_gpu(variant):
                f"graph replay {variant} pos={pos}")
         assert not parts[0].copy_to_host()[:, -1].any(), "ticket column not reset"
     g.destroy()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", NEW)
+def test_decode_after_store_programmatic_gpu(variant):
+    """The decode step's order in one graph with programmatic edges: the cache store of the
+    new key / value, then attention, which reads every older row before its PDL wait and the
+    new one after it. Replayed at positions whose new row falls in different pieces and warps;
+    the result must use the row just stored (a stale read shows as an error)."""
+    from engine.graphs import capture_fn, pdl_enabled
+    from kernels_numba import gpu_attention as ga
+    from kernels_numba import gpu_misc as gm
+    rng = np.random.default_rng(10)
+    s_max, hq, hkv, d = 4096, 32, 4, 128
+    k, v, dk, dv = _cache(rng, "f32", s_max, hkv, d)
+    parts = ga.alloc_partials(1, hq, d, s_max)
+    q = cuda.device_array((1, hq, d), np.float32)
+    kn = cuda.device_array((1, hkv, d), np.float32)
+    vn = cuda.device_array((1, hkv, d), np.float32)
+    qp = cuda.to_device(np.array([7], np.int32))
+    out = cuda.device_array((1, hq, d), np.float32)
+    stream = cuda.stream()
+
+    def step(st):
+        gm.kv_store(kn, vn, dk, dv, qp, st)
+        ga.attention(q, dk, dv, qp, d ** -0.5, out, parts, st, variant=variant)
+    g = capture_fn(step, stream)
+    assert g.programmatic == (1 if pdl_enabled() else 0)
+    for pos in (0, 1, 62, 63, 64, 2047, 2066, 4095):
+        qh = rng.standard_normal((1, hq, d)).astype(np.float32)
+        knh = rng.standard_normal((1, hkv, d)).astype(np.float32)
+        vnh = rng.standard_normal((1, hkv, d)).astype(np.float32)
+        for dev, host in ((q, qh), (kn, knh), (vn, vnh)):
+            dev.copy_to_device(host, stream=stream)
+        qp.copy_to_device(np.array([pos], np.int32), stream=stream)
+        out.copy_to_device(np.full((1, hq, d), np.nan, np.float32), stream=stream)
+        g.launch(stream)
+        stream.synchronize()
+        k[pos], v[pos] = knh[0], vnh[0]
+        _check(out.copy_to_host(), ref.attention(qh, k, v, np.array([pos]), d ** -0.5),
+               f"store + attention {variant} pos={pos}")
+    g.destroy()

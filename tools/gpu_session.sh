@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The gpu tests on the GPU machine in one call of the device tool (10 minutes at most), logs in $OUT.
 # usage (device tool, carry [".whl"]): bash tools/gpu_session.sh GROUP
-#   a: tests/test_gpu_engine.py beside tests/test_gpu_hybrid.py (~260 s: 10 and 9 tests)
+#   a: tests/test_gpu_engine.py beside tests/test_gpu_hybrid.py (~260 s: 10 and 9 tests), and
+#      tests/test_attention_decode.py + tests/test_fused_norm.py beside them
 #   b: tests/test_cuda_kernels.py's expert tests beside its other tests and tests/test_graphs.py
 #      (~300 s; the expert tests time every sweep variant at three real shapes)
 # Both groups' processes run side by side: numba compiles on the CPU, so more than two or three at
@@ -20,7 +21,8 @@ run() {   # run NAME PYTEST-ARGS...: one pytest process, its log and exit status
     echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/$name.log"
 }
 case "${1:-a}" in
-    a) run engine tests/test_gpu_engine.py & run hybrid tests/test_gpu_hybrid.py & wait ;;
+    a) run engine tests/test_gpu_engine.py & run hybrid tests/test_gpu_hybrid.py &
+       run attention tests/test_attention_decode.py tests/test_fused_norm.py & wait ;;
     b) run experts tests/test_cuda_kernels.py -k test_experts_gpu &
        run kernels tests/test_cuda_kernels.py tests/test_graphs.py -k "not test_experts_gpu" & wait ;;
     *) echo "usage: bash tools/gpu_session.sh a|b" >&2; exit 2 ;;
