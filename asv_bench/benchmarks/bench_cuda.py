@@ -149,11 +149,12 @@ class ExpertSetup:
                                threads)
 
     def layer_us(self, graph: bool, part="both", variant="", min_blocks=0, unroll=0,
-                 threads=None) -> float:
+                 threads=None, pdl=None) -> float:
+        """pdl: programmatic edges in the graph (None: where the device has them)."""
         from engine.graphs import capture_fn
         run = lambda st=None: self.run(st, part, variant, min_blocks, unroll, threads)  # noqa: E731
         if graph:
-            g = capture_fn(run, self.stream)
+            g = capture_fn(run, self.stream, pdl=pdl)
             us = _time_ms(self.stream, lambda: g.launch(self.stream), REPS) * 1e3 / self.layers
             g.destroy()
             return us
@@ -199,6 +200,7 @@ class DenseLayerSetup:
         self.stream = cuda.stream()
         self._ops = self.ops()
         self.graph = capture_fn(self.run_eager, self.stream)
+        self.graph_plain = capture_fn(self.run_eager, self.stream, pdl=False)   # no PDL edges
 
     def ops(self):
         """[(name, fn(stream))] of one decoder layer, in order."""
@@ -244,8 +246,9 @@ class DenseLayerSetup:
             g.destroy()
         return out
 
-    def layer_us(self, graph: bool) -> float:
-        fn = (lambda: self.graph.launch(self.stream)) if graph else self.run_eager
+    def layer_us(self, graph: bool, pdl: bool = True) -> float:
+        g = self.graph if pdl else self.graph_plain
+        fn = (lambda: g.launch(self.stream)) if graph else self.run_eager
         return _time_ms(self.stream, fn, REPS) * 1e3
 
 
@@ -287,6 +290,11 @@ class ExpertMLP:
         return self.s.layer_us(True)
     track_graph_us.unit = "us"
 
+    def track_graph_plain_us(self, fmt, shape):
+        """The same graph with plain edges (no programmatic dependent launch)."""
+        return self.s.layer_us(True, pdl=False)
+    track_graph_plain_us.unit = "us"
+
 
 class DenseLayer:
     timeout = 600
@@ -298,6 +306,11 @@ class DenseLayer:
     def track_graph_us(self):
         return self.s.layer_us(True)
     track_graph_us.unit = "us"
+
+    def track_graph_plain_us(self):
+        """The same graph with plain edges (no programmatic dependent launch)."""
+        return self.s.layer_us(True, pdl=False)
+    track_graph_plain_us.unit = "us"
 
     def track_eager_us(self):
         return self.s.layer_us(False)
