@@ -1,31 +1,37 @@
 #!/usr/bin/env bash
 # The gpu tests on the GPU machine in one call of the device tool (10 minutes at most), logs in $OUT.
 # usage (device tool, carry [".whl"]): bash tools/gpu_session.sh GROUP
-#   a: tests/test_gpu_engine.py beside tests/test_gpu_hybrid.py (~260 s: 10 and 9 tests), and
-#      tests/test_attention_decode.py + tests/test_fused_norm.py beside them
-#   b: tests/test_cuda_kernels.py's expert tests beside its other tests and tests/test_graphs.py
-#      (~300 s; the expert tests time every sweep variant at three real shapes)
-# Both groups' processes run side by side: numba compiles on the CPU, so more than two or three at
-# once slow each other down (four side by side each ran past 250 s on 2026-11-30).
+#   a: tests/test_gpu_engine.py beside tests/test_gpu_hybrid.py (310 s on 2026-12-01)
+#   b: tests/test_cuda_kernels.py's per-token expert tests (every sweep variant at three real
+#      shapes) beside its dense / sampling tests and tests/test_graphs.py
+#   c: the grouped (prefill) expert tests beside tests/test_attention_decode.py and
+#      tests/test_fused_norm.py
+# Both or all three of a group's processes run side by side: numba compiles on the CPU, so more
+# than two or three at once slow each other down (four side by side each ran past 250 s on
+# 2026-11-30; on 2026-12-01 b's two halves beside a third process each passed 331 s unfinished,
+# and the grouped tests were then part of b). One group a call.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LIMIT=${LIMIT:-540}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-run() {   # run NAME PYTEST-ARGS...: one pytest process, its log and exit status in $OUT/NAME.log
+run() {   # run NAME PYTEST-ARGS...: one pytest process, its log (-v: a line a test, so a run cut
+          # short by the limit still says which passed) and exit status in $OUT/NAME.log
     local name=$1
     shift
-    timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=5 "$@" \
+    timeout "$LIMIT" python3 -m pytest -v -p no:cacheprovider -m gpu -rfE --durations=5 "$@" \
         > "$OUT/$name.log" 2>&1
     echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/$name.log"
 }
 case "${1:-a}" in
-    a) run engine tests/test_gpu_engine.py & run hybrid tests/test_gpu_hybrid.py &
-       run attention tests/test_attention_decode.py tests/test_fused_norm.py & wait ;;
+    a) run engine tests/test_gpu_engine.py & run hybrid tests/test_gpu_hybrid.py & wait ;;
     b) run experts tests/test_cuda_kernels.py -k test_experts_gpu &
-       run kernels tests/test_cuda_kernels.py tests/test_graphs.py -k "not test_experts_gpu" & wait ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b" >&2; exit 2 ;;
+       run kernels tests/test_cuda_kernels.py tests/test_graphs.py \
+           -k "not test_experts_gpu and not grouped" & wait ;;
+    c) run grouped tests/test_cuda_kernels.py -k grouped &
+       run attention tests/test_attention_decode.py tests/test_fused_norm.py & wait ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
