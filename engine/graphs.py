@@ -23,6 +23,7 @@ decode kernels this hides most of a launch's ramp.
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 
 from cuda.bindings import driver
@@ -97,13 +98,18 @@ def _kernel_handles(node):
     return int(p.func), int(p.kern)
 
 
+def _edge_call(name: str):
+    """Edge data came with CUDA 12.3: cuda-bindings 12.x name those calls *_v2, 13.x plain."""
+    return getattr(driver, name + "_v2", None) or getattr(driver, name)
+
+
 def make_programmatic(graph, handles: set) -> int:
     """Turn every kernel -> kernel edge of graph whose dependent's kernel is in handles into a
     programmatic edge; returns how many."""
-    n = _check("cuGraphGetEdges", driver.cuGraphGetEdges(graph, 0))[-1]
+    n = _check("cuGraphGetEdges", _edge_call("cuGraphGetEdges")(graph, 0))[-1]
     if not n:
         return 0
-    frm, to, data, n = _check("cuGraphGetEdges", driver.cuGraphGetEdges(graph, n))
+    frm, to, data, n = _check("cuGraphGetEdges", _edge_call("cuGraphGetEdges")(graph, n))
     kinds = {}
 
     def handles_of(node):
@@ -125,15 +131,45 @@ def make_programmatic(graph, handles: set) -> int:
     f = [frm[i] for i in pick]
     t = [to[i] for i in pick]
     _check("cuGraphRemoveDependencies",
-           driver.cuGraphRemoveDependencies(graph, f, t, [data[i] for i in pick], len(pick)))
+           _edge_call("cuGraphRemoveDependencies")(graph, f, t, [data[i] for i in pick],
+                                                   len(pick)))
     new = []
     for _ in pick:
         e = driver.CUgraphEdgeData()
         e.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
         e.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
         new.append(e)
-    _check("cuGraphAddDependencies", driver.cuGraphAddDependencies(graph, f, t, new, len(pick)))
+    _check("cuGraphAddDependencies",
+           _edge_call("cuGraphAddDependencies")(graph, f, t, new, len(pick)))
     return len(pick)
+
+
+_PDL_WARNED = []
+
+
+def _with_programmatic(graph):
+    """(a clone of graph with its PDL-safe kernels' edges made programmatic, how many), or
+    (None, 0) with one warning on stderr where this driver or binding cannot make them (older
+    than CUDA 12.3): graph itself is never touched, so it is never left half-converted."""
+    try:
+        clone = _check("cuGraphClone", driver.cuGraphClone(graph))
+    except CudaGraphError as e:
+        _warn_pdl(e)
+        return None, 0
+    try:
+        n = make_programmatic(clone, _pdl_handles())
+    except Exception as e:   # a binding without edge data raises TypeError / ValueError
+        driver.cuGraphDestroy(clone)
+        _warn_pdl(e)
+        return None, 0
+    return clone, n
+
+
+def _warn_pdl(err) -> None:
+    if not _PDL_WARNED:
+        _PDL_WARNED.append(err)
+        print(f"note: programmatic dependent launch unavailable ({err}); graphs keep plain "
+              f"edges (MOE_STREAM_PDL=0 silences this)", file=sys.stderr)
 
 
 class CudaGraph:
@@ -163,21 +199,35 @@ class CudaGraph:
             raise
         graph = _check("cuStreamEndCapture", driver.cuStreamEndCapture(h))
         _, n = _check("cuGraphGetNodes", driver.cuGraphGetNodes(graph, 0))
-        try:
-            self.programmatic = make_programmatic(graph, _pdl_handles()) if (
-                pdl_enabled() if pdl is None else pdl) else 0
-        except BaseException:
-            driver.cuGraphDestroy(graph)
-            raise
+        self.nodes = int(n)
+        self.programmatic = 0
+        if pdl_enabled() if pdl is None else pdl:
+            pg, k = _with_programmatic(graph)
+            if pg is not None:
+                if self._install(pg, strict=False):
+                    _check("cuGraphDestroy", driver.cuGraphDestroy(graph))
+                    self.programmatic = k
+                    return
+                driver.cuGraphDestroy(pg)
+                _warn_pdl("cuGraphInstantiate refused the programmatic edges")
+        self._install(graph, strict=True)
+
+    def _install(self, graph, strict: bool) -> bool:
+        """Make graph the one launched: the executable updated in place when the topology
+        matches, else instantiated anew. Not strict: False (nothing changed) when that fails."""
         if self.exec is not None and self._try_update(graph):
             _check("cuGraphDestroy", driver.cuGraphDestroy(self.graph))
         else:
+            ret = driver.cuGraphInstantiate(graph, 0)
+            if ret[0] != driver.CUresult.CUDA_SUCCESS and not strict:
+                return False
+            exe = _check("cuGraphInstantiate", ret)
             self._destroy_exec()
             if self.graph is not None:
                 _check("cuGraphDestroy", driver.cuGraphDestroy(self.graph))
-            self.exec = _check("cuGraphInstantiate", driver.cuGraphInstantiate(graph, 0))
+            self.exec = exe
         self.graph = graph
-        self.nodes = int(n)
+        return True
 
     def _try_update(self, graph) -> bool:
         ret = driver.cuGraphExecUpdate(self.exec, graph)
