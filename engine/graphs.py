@@ -75,11 +75,20 @@ def pdl_enabled() -> bool:
         return False
 
 
+def _dispatchers(disp):
+    """disp and the dispatchers numba derived from it: specialize() (the expert launchers'
+    per-argument kernels) and launch-configuration specializations each compile their own."""
+    yield disp
+    for d in list(getattr(disp, "specializations", {}).values()) + \
+            list(getattr(disp, "_launch_config_specializations", {}).values()):
+        yield from _dispatchers(d)
+
+
 def _pdl_handles() -> set:
     """The CUkernel / CUfunction handles (as ints) of every compiled PDL-safe kernel."""
     from kernels_numba.gpu_util import PDL_KERNELS
     out = set()
-    for disp in PDL_KERNELS:
+    for disp in (d for k in PDL_KERNELS for d in _dispatchers(k)):
         for k in list(disp.overloads.values()):
             h = k._codelibrary.get_cufunc().handle
             out.add(int(h))

@@ -50,7 +50,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from .gpu_util import (FULL_MASK, M32, NEG_INF, SIM, WARP, aligned, block_max, block_sum, cdiv,
-                        int_as_float, ld2, ld4, ld4cg, pdl_kernel, pdl_trigger, pdl_wait,
+                        int_as_float, ld2, ld2cg, ld4, ld4cg, pdl_kernel, pdl_trigger, pdl_wait,
                         warp_max, warp_sum, warp_sync)
 
 ATT_WARPS = 2 if SIM else 4   # partial: warps a block
@@ -456,6 +456,24 @@ def _get_bf16(a, j, h, c, buf, o):
 
 
 @cuda.jit(device=True, inline=True)
+def _get_f32_c(a, j, h, c, buf, o):
+    """_get_f32 through L2 and kept after pdl_wait: a row the launch before may have written."""
+    x0, x1, x2, x3 = ld4cg(a, j, h, 4 * c)
+    buf[o] = x0
+    buf[o + 1] = x1
+    buf[o + 2] = x2
+    buf[o + 3] = x3
+
+
+@cuda.jit(device=True, inline=True)
+def _get_bf16_c(a, j, h, c, buf, o):
+    """_get_bf16 likewise."""
+    x0, x1 = ld2cg(a, j, h, 2 * c)
+    buf[o] = x0
+    buf[o + 1] = x1
+
+
+@cuda.jit(device=True, inline=True)
 def _dec_f32(buf, o, v, vo):
     for e in range(4):
         v[vo + e] = buf[o + e]
@@ -493,6 +511,7 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
     FU4 = F_U * 4
     NG = N + GP                        # (array sizes must be plain constants for numba)
     get = _get_bf16 if BF else _get_f32
+    get_c = _get_bf16_c if BF else _get_f32_c
     dec = _dec_bf16 if BF else _dec_f32
 
     @cuda.jit(device=True, inline=True)
@@ -504,6 +523,17 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
                 c = min(i * WARP + lane, nch - 1)
                 get(kc, jj, kvh, c, kb_, (u * NCL + i) * CWD)
                 get(vc, jj, kvh, c, vb_, (u * NCL + i) * CWD)
+
+    @cuda.jit(device=True, inline=True)
+    def load_c(kc, vc, kvh, j0, end, lane, nch, kb_, vb_):
+        """load, coherent: after pdl_wait, for a step that holds the row the launch before
+        stored (a non-coherent load is only for data no launch in flight writes)."""
+        for u in range(KB):
+            jj = min(j0 + u, end - 1)
+            for i in range(NCL):
+                c = min(i * WARP + lane, nch - 1)
+                get_c(kc, jj, kvh, c, kb_, (u * NCL + i) * CWD)
+                get_c(vc, jj, kvh, c, vb_, (u * NCL + i) * CWD)
 
     @cuda.jit(device=True, inline=True)
     def step(kb_, vb_, jb, end, par, m, l, qv, acc, sp, red, lane, warp):
@@ -606,15 +636,15 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
         pdl_wait()
         pdl_trigger()
         if not early or (j0 <= newest and newest < min(end, j0 + KB)):
-            load(kc, vc, kvh, j0, end, lane, nch, ka, va)
+            load_c(kc, vc, kvh, j0, end, lane, nch, ka, va)
         if not early or (j0 + stride <= newest and newest < min(end, j0 + stride + KB)):
-            load(kc, vc, kvh, j0 + stride, end, lane, nch, kb2, vb2)
+            load_c(kc, vc, kvh, j0 + stride, end, lane, nch, kb2, vb2)
         qv = cuda.local.array(GC, float32)
         acc = cuda.local.array(GC, float32)
         for g in range(G):
             for i in range(NCL):
                 c = i * WARP + lane
-                x0, x1, x2, x3 = ld4(q, 0, h0 + g, 4 * min(c, nch - 1))
+                x0, x1, x2, x3 = ld4cg(q, 0, h0 + g, 4 * min(c, nch - 1))   # the launch before's
                 f = scale2 if c < nch else float32(0.0)
                 qv[g * C4 + i * 4] = x0 * f
                 qv[g * C4 + i * 4 + 1] = x1 * f

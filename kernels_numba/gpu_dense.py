@@ -33,9 +33,9 @@ LIN16_LOADS = 8                      # ... 16-byte weight loads in flight a lane
 LIN16_WARPS = 4 if SIM else 4224     # ... warps resident at once (132 SMs x 32 at 64 registers)
 LIN16_T_MAX = 1                      # ... taken by default for T <= this (else the 8-byte path)
 LIN16_N_MIN = 2048                   # ... and N >= this (the router's 128 rows: 8-byte, as fast)
-# ^ 0 until the sweep picks its shapes: the first H200 sweep (2026-12-01, 5120 x 2048 only, T = 1)
-# had linear16_config's (1, 1, 8) at 10.50 us against the 8-byte default's 9.73, and Wide(2, 1, 4)
-# at 7.87 (0.65 of copy); the other matrices were not reached in that run's time budget
+# ^ H200 sweep at T = 1 (PERF.md, seventh session): with linear16_config's shapes the 16-byte
+# path beats the 8-byte one at every N >= 2048 (q/k/v 7.49 vs 8.95 us, o 6.83 vs 8.48, LM head
+# 142 vs 155); T = 2 was 14.11 vs 10.89 in the sixth session's sweep, not re-run
 LIN16_XS_BYTES = 1024 if SIM else 32768   # ... x (and g) staged in shared memory up to this
 NORM_THREADS = 64 if SIM else 128    # rmsnorm: one warp per row
 NORM_BLOCK = 64 if SIM else 512      # rmsnorm of long rows: one block per row

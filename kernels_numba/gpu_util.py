@@ -140,7 +140,8 @@ else:
 
 ld4 = make_ld(4, "nc")          # 16 bytes of data the kernel only reads
 ld2 = make_ld(2, "nc")          # 8 bytes
-ld4cg = make_ld(4, "cg", True)  # 16 bytes other blocks of this launch wrote (after a fence)
+ld4cg = make_ld(4, "cg", True)  # 16 bytes other blocks of this launch wrote (after a fence),
+ld2cg = make_ld(2, "cg", True)  # or the launch before wrote (after pdl_wait): L2, kept after it
 # ld4 kept where it is written: loads issued ahead of a barrier that must stay ahead of it
 # (LLVM sees a side-effect-free asm as touching no memory and may sink it past the barrier
 # to its use; ptxas keeps such loads before the bar.sync, sm_90 checked)
@@ -456,5 +457,5 @@ def poison(arr) -> None:
 __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "float_as_uint",
            "bf16_lo", "bf16_hi", "bf16_at", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
            "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15",
-           "make_ld", "ld4", "ld2", "ld4cg", "ld4_pinned", "lds4", "cp_async4",
+           "make_ld", "ld4", "ld2", "ld4cg", "ld2cg", "ld4_pinned", "lds4", "cp_async4",
            "cp_async_wait", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]

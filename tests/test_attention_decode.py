@@ -238,11 +238,12 @@ def test_decode_graph_replay_gpu(variant):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", NEW)
-def test_decode_after_store_programmatic_gpu(variant):
+@pytest.mark.parametrize("window", [0, 100])
+def test_decode_after_store_programmatic_gpu(variant, window):
     """The decode step's order in one graph with programmatic edges: the cache store of the
     new key / value, then attention, which reads every older row before its PDL wait and the
-    new one after it. Replayed at positions whose new row falls in different pieces and warps;
-    the result must use the row just stored (a stale read shows as an error)."""
+    new one after it. Replayed at positions whose new row falls in different pieces and warps
+    (and with a sliding window); the result must use the row just stored."""
     from engine.graphs import capture_fn, pdl_enabled
     from kernels_numba import gpu_attention as ga
     from kernels_numba import gpu_misc as gm
@@ -258,11 +259,14 @@ def test_decode_after_store_programmatic_gpu(variant):
     qp = cuda.to_device(np.array([s_max - 1], np.int32))
     out = cuda.device_array((1, hq, d), np.float32)
     stream = cuda.stream()
+    paths = []
 
     def step(st):
         gm.kv_store(kn, vn, dk, dv, qp, st)
-        ga.attention(q, dk, dv, qp, d ** -0.5, out, parts, st, variant=variant)
+        paths.append(ga.attention(q, dk, dv, qp, d ** -0.5, out, parts, st, window=window,
+                                  variant=variant))
     g = capture_fn(step, stream)
+    assert set(paths) == {variant}
     assert g.programmatic == (g.nodes - 1 if pdl_enabled() else 0)   # a chain of kernels
     for pos in (0, 1, 62, 63, 64, 2047, 2066, 4095):
         qh = rng.standard_normal((1, hq, d)).astype(np.float32)
@@ -275,6 +279,7 @@ def test_decode_after_store_programmatic_gpu(variant):
         g.launch(stream)
         stream.synchronize()
         k[pos], v[pos] = knh[0], vnh[0]
-        _check(out.copy_to_host(), ref.attention(qh, k, v, np.array([pos]), d ** -0.5),
-               f"store + attention {variant} pos={pos}")
+        _check(out.copy_to_host(),
+               ref.attention(qh, k, v, np.array([pos]), d ** -0.5, window),
+               f"store + attention {variant} window={window} pos={pos}")
     g.destroy()

@@ -108,7 +108,11 @@ class FakeDriver:
         return (OK, ("exec", g))
 
     def cuGraphExecUpdate(self, exe, g):
-        return (1,)
+        """Succeeds when g has exe's topology: the same node kinds and edge types in order."""
+        def shape(x):
+            return ([n.kind for n in x.nodes],
+                    [(x.nodes.index(a), x.nodes.index(b), d.type) for a, b, d in x.edges])
+        return (OK,) if shape(exe[1]) == shape(g) else (1,)
 
     def cuGraphDestroy(self, g):
         self.destroyed.append(g)
@@ -173,3 +177,21 @@ def test_pdl_off_touches_nothing(monkeypatch):
     with g.capture(SimpleNamespace(handle=fake.CUstream()), pdl=False):
         pass
     assert g.programmatic == 0 and g.graph is fake.captured and not fake.destroyed
+
+
+def test_recapture_updates_in_place_or_reinstantiates(monkeypatch):
+    """Capturing again into one CudaGraph: the same topology updates the executable in place
+    and frees the graph it replaces; a different one (here: PDL off, plain edges) instantiates
+    anew; nothing captured is left undestroyed but the graph in use."""
+    fake = FakeDriver(_chain())
+    g = _capture(monkeypatch, fake)
+    first = g.graph
+    fake.captured = _chain()
+    with g.capture(SimpleNamespace(handle=fake.CUstream()), pdl=True):
+        pass
+    assert len(fake.execs) == 1 and g.programmatic == 2      # updated, not instantiated
+    assert first in fake.destroyed and g.graph not in fake.destroyed
+    fake.captured = _chain()
+    with g.capture(SimpleNamespace(handle=fake.CUstream()), pdl=False):
+        pass
+    assert len(fake.execs) == 2 and g.programmatic == 0 and g.graph is fake.captured
