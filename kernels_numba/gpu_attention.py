@@ -437,40 +437,29 @@ else:
         return cuda.shfl_xor_sync(FULL_MASK, v, off)
 
 
-@cuda.jit(device=True, inline=True)
-def _get_f32(a, j, h, c, buf, o):
-    """Chunk c (4 values, 16 bytes) of row (j, h) of an fp32 cache -> buf[o:o + 4]."""
-    x0, x1, x2, x3 = ld4(a, j, h, 4 * c)
-    buf[o] = x0
-    buf[o + 1] = x1
-    buf[o + 2] = x2
-    buf[o + 3] = x3
+def _make_get(l4, l2):
+    """(f32, bf16) cache-chunk getters over the 16-byte / 8-byte loads l4 / l2:
+    f32: chunk c (4 values, 16 bytes) of row (j, h) of an fp32 cache -> buf[o:o + 4];
+    bf16: chunk c (4 bf16, 8 bytes) of row (j, h) of a bf16 cache viewed as uint32 -> buf[o:o + 2]."""
+    @cuda.jit(device=True, inline=True)
+    def get_f32(a, j, h, c, buf, o):
+        x0, x1, x2, x3 = l4(a, j, h, 4 * c)
+        buf[o] = x0
+        buf[o + 1] = x1
+        buf[o + 2] = x2
+        buf[o + 3] = x3
+
+    @cuda.jit(device=True, inline=True)
+    def get_bf16(a, j, h, c, buf, o):
+        x0, x1 = l2(a, j, h, 2 * c)
+        buf[o] = x0
+        buf[o + 1] = x1
+    return get_f32, get_bf16
 
 
-@cuda.jit(device=True, inline=True)
-def _get_bf16(a, j, h, c, buf, o):
-    """Chunk c (4 bf16, 8 bytes) of row (j, h) of a bf16 cache viewed as uint32 -> buf[o:o + 2]."""
-    x0, x1 = ld2(a, j, h, 2 * c)
-    buf[o] = x0
-    buf[o + 1] = x1
-
-
-@cuda.jit(device=True, inline=True)
-def _get_f32_c(a, j, h, c, buf, o):
-    """_get_f32 through L2 and kept after pdl_wait: a row the launch before may have written."""
-    x0, x1, x2, x3 = ld4cg(a, j, h, 4 * c)
-    buf[o] = x0
-    buf[o + 1] = x1
-    buf[o + 2] = x2
-    buf[o + 3] = x3
-
-
-@cuda.jit(device=True, inline=True)
-def _get_bf16_c(a, j, h, c, buf, o):
-    """_get_bf16 likewise."""
-    x0, x1 = ld2cg(a, j, h, 2 * c)
-    buf[o] = x0
-    buf[o + 1] = x1
+_get_f32, _get_bf16 = _make_get(ld4, ld2)
+# through L2 and kept after pdl_wait: rows the launch before may have written
+_get_f32_c, _get_bf16_c = _make_get(ld4cg, ld2cg)
 
 
 @cuda.jit(device=True, inline=True)
@@ -514,26 +503,22 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
     get_c = _get_bf16_c if BF else _get_f32_c
     dec = _dec_bf16 if BF else _dec_f32
 
-    @cuda.jit(device=True, inline=True)
-    def load(kc, vc, kvh, j0, end, lane, nch, kb_, vb_):
-        """K and V rows of keys j0 .. j0 + KB - 1 (clamped to end - 1) -> registers."""
-        for u in range(KB):
-            jj = min(j0 + u, end - 1)
-            for i in range(NCL):
-                c = min(i * WARP + lane, nch - 1)
-                get(kc, jj, kvh, c, kb_, (u * NCL + i) * CWD)
-                get(vc, jj, kvh, c, vb_, (u * NCL + i) * CWD)
+    def make_load(g):
+        @cuda.jit(device=True, inline=True)
+        def load(kc, vc, kvh, j0, end, lane, nch, kb_, vb_):
+            """K and V rows of keys j0 .. j0 + KB - 1 (clamped to end - 1) -> registers."""
+            for u in range(KB):
+                jj = min(j0 + u, end - 1)
+                for i in range(NCL):
+                    c = min(i * WARP + lane, nch - 1)
+                    g(kc, jj, kvh, c, kb_, (u * NCL + i) * CWD)
+                    g(vc, jj, kvh, c, vb_, (u * NCL + i) * CWD)
+        return load
 
-    @cuda.jit(device=True, inline=True)
-    def load_c(kc, vc, kvh, j0, end, lane, nch, kb_, vb_):
-        """load, coherent: after pdl_wait, for a step that holds the row the launch before
-        stored (a non-coherent load is only for data no launch in flight writes)."""
-        for u in range(KB):
-            jj = min(j0 + u, end - 1)
-            for i in range(NCL):
-                c = min(i * WARP + lane, nch - 1)
-                get_c(kc, jj, kvh, c, kb_, (u * NCL + i) * CWD)
-                get_c(vc, jj, kvh, c, vb_, (u * NCL + i) * CWD)
+    load = make_load(get)
+    # coherent, after pdl_wait, for a step that holds the row the launch before stored (a
+    # non-coherent load is only for data no launch in flight writes)
+    load_c = make_load(get_c)
 
     @cuda.jit(device=True, inline=True)
     def step(kb_, vb_, jb, end, par, m, l, qv, acc, sp, red, lane, warp):
