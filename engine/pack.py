@@ -71,10 +71,14 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
             p = ck.file(f)
             if p is not None:
                 shutil.copyfile(p, tmp / f)
+        config = ck.config
+        if "quantization_config" in config:   # FP8 weights were dequantized: no longer true
+            config = {k: v for k, v in config.items() if k != "quantization_config"}
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
         manifest = {
             "format_version": FORMAT_VERSION,
             "model_type": c.family,
-            "config": ck.config,
+            "config": config,
             "experts": {"format": experts, "hidden": c.hidden, "intermediate": c.moe_intermediate,
                         "block_bytes": layout.block_bytes, "n_layers": c.n_layers,
                         "n_experts": c.n_experts, "moe_layers": list(c.moe_layers)},
@@ -84,9 +88,13 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
                 "fp8": "E4M3 FN values; fp32 scale per output row",
                 "bf16": "bfloat16, rounded to nearest even from the checkpoint",
             }[experts],
-            "dense": {"file": DENSE, "source_dtypes": sorted({ck.info(n).dtype for n in dense})},
+            "dense": {"file": DENSE, "source_dtypes": sorted(
+                {("F8_E4M3" if n in ck.fp8 else ck.info(n).dtype) for n in dense})},
             "source": str(ck.dir),
         }
+        if ck.fp8:
+            manifest["source_quantization"] = ck.config.get("quantization_config",
+                                                             {"quant_method": "fp8"})
         # the manifest is written last: a folder without one is not a packed model
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         if dst.exists():

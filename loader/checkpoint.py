@@ -2,6 +2,11 @@
 
 Tensors are memory-mapped, never copied until asked for. Every header is checked: offsets within
 the file, sizes matching shape x dtype, dtypes the engine reads. Errors name the file and tensor.
+
+Block-scaled FP8 checkpoints (quant_method "fp8": an F8_E4M3 weight beside a float32
+`<name>_scale_inv` of one scale per block, as Qwen's and DeepSeek's -FP8 releases) read as bf16:
+each such weight is dequantized on read (q * scale, rounded to bf16 as transformers does) and
+its scale tensor is hidden. Other quantization methods are refused by name.
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ import numpy as np
 # safetensors dtype -> numpy storage dtype (bfloat16 stays as its uint16 bits)
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
           "I64": np.int64, "I32": np.int32, "U8": np.uint8, "I8": np.int8,
-          "F8_E4M3": np.uint8, "U32": np.uint32, "I16": np.int16, "U16": np.uint16}
+          "F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "U32": np.uint32, "I16": np.int16,
+          "U16": np.uint16}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
+FP8_SCALE = "_scale_inv"    # suffix of a block-scaled FP8 weight's scale tensor
 
 
 class CheckpointError(ValueError):
@@ -124,6 +131,9 @@ class Checkpoint:
         self._maps: dict[Path, np.memmap] = {}
         for f in self._weight_files():
             self.tensors.update(read_safetensors_header(f))
+        # FP8 weight name -> (its stored tensor, its scale tensor, block rows, block columns)
+        self.fp8: dict[str, tuple] = {}
+        self._find_fp8(cfg_path)
         self.fused: dict[str, str] = {}   # per-expert view name -> the fused tensor it lies in
         self._split_fused_experts()
 
@@ -143,6 +153,50 @@ class Checkpoint:
         if shards:
             return shards
         raise CheckpointError(f"{self.dir}: no {base}.safetensors and no {base}.safetensors.index.json")
+
+    def _find_fp8(self, cfg_path: Path) -> None:
+        """Refuse quantization methods the engine does not read; register each block-scaled FP8
+        weight (it then reads as bf16) and hide its scale tensor."""
+        qc = self.config.get("quantization_config") or {}
+        method = qc.get("quant_method")
+        if method not in (None, "fp8"):
+            raise CheckpointError(
+                f"{cfg_path}: quantization_config.quant_method is {method!r}; the engine reads "
+                "bf16 / fp16 / fp32 checkpoints and block-scaled FP8 ones (quant_method 'fp8')")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise CheckpointError(f"{cfg_path}: quantization_config.fmt is {qc['fmt']!r}; "
+                                  "expected 'e4m3'")
+        declared = qc.get("weight_block_size")
+        for name, t in list(self.tensors.items()):
+            if t.dtype != "F8_E4M3":
+                continue
+            sc = self.tensors.get(name + FP8_SCALE)
+            if sc is None:
+                raise CheckpointError(f"{t.file}: tensor {name} is FP8 (F8_E4M3) but "
+                                      f"{name}{FP8_SCALE} is missing: its scales are needed")
+            if len(t.shape) != 2:
+                raise CheckpointError(f"{t.file}: FP8 tensor {name} has shape {list(t.shape)}; "
+                                      "expected a 2-D weight")
+            if sc.dtype not in FLOAT_DTYPES + ("F8_E8M0", "U8"):
+                raise CheckpointError(f"{sc.file}: tensor {sc.name} has dtype {sc.dtype}; expected "
+                                      "float scales (F32, BF16, F16) or F8_E8M0 exponents")
+            (r, k), grid = t.shape, tuple(sc.shape) or (1, 1)
+            if grid == (1,):
+                grid = (1, 1)
+            if declared and len(grid) == 2 and grid != (1, 1):
+                bn, bk = (int(x) for x in declared)
+            elif len(grid) == 2 and r % grid[0] == 0 and k % grid[1] == 0:
+                bn, bk = r // grid[0], k // grid[1]
+            else:
+                bn = bk = 0
+            if len(grid) != 2 or bn <= 0 or bk <= 0 or grid != (-(-r // bn), -(-k // bk)):
+                want = (f"[{-(-r // bn)}, {-(-k // bk)}] ({bn} x {bk} blocks)" if bn > 0 and bk > 0
+                        else f"a grid that divides {r} x {k}")
+                raise CheckpointError(f"{sc.file}: tensor {sc.name} has shape {list(sc.shape)}; "
+                                      f"expected {want} for {name} {list(t.shape)}")
+            self.fp8[name] = (t, sc, bn, bk)
+            self.tensors[name] = TensorInfo(name, t.file, "BF16", t.shape, t.start, r * k * 2)
+            del self.tensors[sc.name]
 
     _FUSED = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
 
@@ -182,15 +236,41 @@ class Checkpoint:
         except KeyError:
             raise CheckpointError(f"{self.dir}: tensor {name} not found in the checkpoint") from None
 
-    def get(self, name: str) -> np.ndarray:
-        """The tensor as stored (bf16 as uint16 bits), memory-mapped, read-only."""
-        t = self.info(name)
+    def _stored(self, t: TensorInfo) -> np.ndarray:
         mm = self._maps.get(t.file)
         if mm is None:
             mm = self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
         return mm[t.start:t.start + t.nbytes].view(DTYPES[t.dtype]).reshape(t.shape)
 
+    def _dequant(self, name: str) -> np.ndarray:
+        """An FP8 weight as float32: q * its block's scale."""
+        from loader.quant import bf16_to_f32, dequant_fp8_blocks
+        t, sc, bn, bk = self.fp8[name]
+        s = self._stored(sc)
+        if sc.dtype in ("F8_E8M0", "U8"):     # E8M0: a power-of-two exponent a byte
+            s = np.exp2(s.astype(np.float32) - 127)
+        elif sc.dtype == "BF16":
+            s = bf16_to_f32(s)
+        s = np.asarray(s, np.float32).reshape(-(-t.shape[0] // bn), -(-t.shape[1] // bk))
+        try:
+            return dequant_fp8_blocks(self._stored(t), s, (bn, bk), name)
+        except ValueError as e:
+            raise CheckpointError(f"{t.file}: {e}") from None
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as stored (bf16 as uint16 bits), memory-mapped, read-only; an FP8 weight
+        dequantized to bf16 bits (a new array)."""
+        t = self.info(name)
+        if name in self.fp8:
+            from loader.quant import f32_to_bf16
+            return f32_to_bf16(self._dequant(name))
+        return self._stored(t)
+
     def get_f32(self, name: str) -> np.ndarray:
+        """The tensor as float32; an FP8 weight dequantized without the bf16 rounding (what the
+        packer quantizes from)."""
+        if name in self.fp8:
+            return self._dequant(name)
         a = self.get(name)
         dt = self.tensors[name].dtype
         if dt == "BF16":

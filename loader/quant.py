@@ -213,6 +213,28 @@ def dequant_fp8(q: np.ndarray, s: np.ndarray) -> np.ndarray:
     return (e4m3_to_f32(q).astype(np.float64) * np.asarray(s, np.float64)[:, None]).astype(np.float32)
 
 
+def dequant_fp8_blocks(q: np.ndarray, s: np.ndarray, block: tuple[int, int],
+                       name: str = "weight") -> np.ndarray:
+    """A block-scaled FP8 checkpoint tensor: q uint8 [R, K] E4M3 FN bits, s float32 [ceil(R / bn),
+    ceil(K / bk)], one scale per bn x bk block (ragged at the edges) -> float32 [R, K] = q * s,
+    the product rounded once to float32 (as transformers dequantizes)."""
+    q = np.asarray(q, dtype=np.uint8)
+    s = np.asarray(s, dtype=np.float32)
+    (r, k), (bn, bk) = q.shape, block
+    gr, gk = -(-r // bn), -(-k // bk)
+    if s.shape != (gr, gk):
+        raise ValueError(f"{name}: scale grid {list(s.shape)} does not match a {r} x {k} weight in "
+                         f"{bn} x {bk} blocks (expected [{gr}, {gk}])")
+    nan = np.count_nonzero((q & 0x7F) == E4M3_NAN)
+    _refuse_non_finite(nan, name)
+    _check_finite(s, name + " (scales)")
+    v = e4m3_to_f32(q)
+    if (gr * bn, gk * bk) != (r, k):   # ragged edge blocks: pad, then cut back
+        v = np.pad(v, ((0, gr * bn - r), (0, gk * bk - k)))
+    out = v.reshape(gr, bn, gk, bk) * s[:, None, :, None]
+    return np.ascontiguousarray(out.reshape(gr * bn, gk * bk)[:r, :k])
+
+
 # ---- expert blocks -------------------------------------------------------------------------
 
 MATRICES = ("gate", "up", "down")

@@ -1,0 +1,152 @@
+"""Block-scaled FP8 checkpoints (quant_method "fp8": an F8_E4M3 weight beside a float32
+`weight_scale_inv` a block, the layout of Qwen's -FP8 releases) against transformers loading the
+same FP8 folder (without a GPU it dequantizes to the model dtype): logits and greedy tokens, read
+directly and packed; the dequantizer against torch's float8 on fresh random bits; bad FP8 input
+refused by name."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import engine
+from conftest import assert_greedy, build_hf_model, rel_err
+from loader.checkpoint import Checkpoint, CheckpointError
+from loader.quant import dequant_fp8_blocks
+
+# the projections Qwen's FP8 releases quantize; router, norms, embedding and head stay bf16
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float32 [R, K] (R, K multiples of the block) -> (float8_e4m3fn [R, K], scale_inv
+    float32 [R / bn, K / bk]) with w ~ q * scale_inv, scale_inv = max|block| / 448."""
+    r, k = w.shape
+    blocks = w.reshape(r // bn, bn, k // bk, bk)
+    s = blocks.abs().amax(dim=(1, 3)) / 448.0
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = (blocks / s[:, None, :, None]).reshape(r, k).to(torch.float8_e4m3fn)
+    return q, s.float()
+
+
+def write_fp8(src, dst, block=(16, 16), scale_dtype=torch.float32, drop_scale=None):
+    """The float32 checkpoint in src as a block-scaled FP8 checkpoint in dst."""
+    dst.mkdir()
+    tensors = {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
+            q, s = quantize_blocks(w, *block)
+            tensors[name] = q
+            if name != drop_scale:
+                tensors[name + "_scale_inv"] = s.to(scale_dtype)
+        else:
+            tensors[name] = w.to(torch.bfloat16)
+    save_file(tensors, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / f, dst / f)
+
+
+def fp8_reference(path):
+    """transformers on the FP8 folder: dequantized to bf16 on load, then run in float32."""
+    import transformers as tf
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fp8")
+    build_hf_model(base / "f32", "qwen3_moe")
+    write_fp8(base / "f32", base / "fp8")
+    return base / "fp8"
+
+
+def check_against(ref, m):
+    ids = np.random.default_rng().integers(0, 300, 12)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(m.logits(ids), want) < 1e-4
+    prompt = ids[:5].tolist()
+    assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=24).output_ids, 24)
+
+
+def test_fp8_checkpoint_matches_transformers(fp8_model):
+    ck = Checkpoint(fp8_model)
+    assert ck.fp8 and not any(n.endswith("_scale_inv") for n in ck.tensors)
+    check_against(fp8_reference(fp8_model), engine.load(fp8_model, device="cpu"))
+
+
+def test_fp8_checkpoint_packed_matches_transformers(fp8_model, tmp_path):
+    from engine.pack import pack
+    dst = tmp_path / "packed"
+    manifest = pack(fp8_model, dst, experts="bf16", progress=False)
+    assert manifest["source_quantization"]["quant_method"] == "fp8"
+    assert "quantization_config" not in json.loads((dst / "config.json").read_text())
+    check_against(fp8_reference(fp8_model), engine.load(dst, device="cpu"))
+
+
+@pytest.mark.parametrize("r,k,bn,bk", [(48, 64, 16, 16), (50, 70, 16, 32), (7, 5, 128, 128)])
+def test_dequant_blocks_against_torch(r, k, bn, bk):
+    rng = np.random.default_rng()
+    bits = rng.integers(0, 256, (r, k), dtype=np.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0x3C   # no NaN codes
+    gr, gk = -(-r // bn), -(-k // bk)
+    s = (rng.random((gr, gk)) * 0.1 + 1e-3).astype(np.float32)
+    want = torch.from_numpy(bits).view(torch.float8_e4m3fn).float()
+    scale = torch.from_numpy(s).repeat_interleave(bn, 0)[:r].repeat_interleave(bk, 1)[:, :k]
+    got = dequant_fp8_blocks(bits, s, (bn, bk))
+    assert got.dtype == np.float32 and np.array_equal(got, (want * scale).numpy())
+
+
+def test_fp8_bf16_scales_read(tmp_path):
+    build_hf_model(tmp_path / "f32", "qwen3_moe")
+    write_fp8(tmp_path / "f32", tmp_path / "fp8", block=(8, 16), scale_dtype=torch.bfloat16)
+    ck = Checkpoint(tmp_path / "fp8")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    raw = load_file(tmp_path / "fp8" / "model.safetensors")
+    q = raw[name].float()
+    s = raw[name + "_scale_inv"].float()
+    want = q * s.repeat_interleave(8, 0).repeat_interleave(16, 1)
+    assert np.array_equal(ck.get_f32(name), want.numpy())
+    assert np.array_equal(ck.get(name), want.to(torch.bfloat16).view(torch.int16).numpy()
+                          .view(np.uint16))
+
+
+def test_fp8_errors(tmp_path):
+    build_hf_model(tmp_path / "f32", "qwen3_moe")
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    write_fp8(tmp_path / "f32", tmp_path / "noscale", drop_scale=name)
+    with pytest.raises(CheckpointError, match=f"{name} is FP8.*_scale_inv is missing"):
+        Checkpoint(tmp_path / "noscale")
+
+    write_fp8(tmp_path / "f32", tmp_path / "grid", block=(16, 16))
+    cfg = json.loads((tmp_path / "grid" / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [32, 16]   # disagrees with the scales
+    (tmp_path / "grid" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"_scale_inv has shape \[\d+, \d+\]; expected"):
+        Checkpoint(tmp_path / "grid")
+
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "grid" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config.json: quantization_config.quant_method is "
+                                              "'gptq'"):
+        Checkpoint(tmp_path / "grid")
+
+    # a NaN code in the stored weight: refused when read, naming the tensor
+    write_fp8(tmp_path / "f32", tmp_path / "nan")
+    raw = load_file(tmp_path / "nan" / "model.safetensors")
+    bad = raw[name].view(torch.uint8).clone()
+    bad[0, 0] = 0x7F
+    raw[name] = bad.view(torch.float8_e4m3fn)
+    save_file(raw, tmp_path / "nan" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{name}: 1 NaN"):
+        Checkpoint(tmp_path / "nan").get(name)
