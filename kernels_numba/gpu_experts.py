@@ -1933,6 +1933,19 @@ def _threads_for(chunks: int, per_thread: int) -> int:
 MMA_FALLBACK = "qtab-g8j1-d4j2"   # where the mma kernels cannot run a layout (Hs, Is % 128)
 
 
+def live_variants(fmt: str) -> list[str]:
+    """The decode variants the engine can run for fmt: the default, what stands in for it (the
+    mma kernels' fallback; a pipelined kernel's flat one-pass stand-in) and the legacy kernels.
+    The GPU tests check these; tools/sweep_experts.py checks each SWEEP variant it times against
+    the legacy kernels."""
+    out = [DEFAULT_VARIANT[fmt]] + ([MMA_FALLBACK] if fmt == "nvfp4" else [])
+    for v in list(out):
+        m = _VARIANT_RE.match(v)
+        if m and m.group(1):
+            out.append(_one_pass_fallback(m.group(1) + m.group(2)) + v[v.index("-"):])
+    return out + ["legacy"]
+
+
 def _mma_or_fallback(fmt, cfg, views, lay_host, k):
     """cfg, or MMA_FALLBACK's when cfg is an mma variant these shapes do not allow."""
     if cfg is None or cfg[0] != "mma":
