@@ -3,10 +3,11 @@
 Tensors are memory-mapped, never copied until asked for. Every header is checked: offsets within
 the file, sizes matching shape x dtype, dtypes the engine reads. Errors name the file and tensor.
 
-Block-scaled FP8 checkpoints (quant_method "fp8": an F8_E4M3 weight beside a float32
-`<name>_scale_inv` of one scale per block, as Qwen's and DeepSeek's -FP8 releases) read as bf16:
-each such weight is dequantized on read (q * scale, rounded to bf16 as transformers does) and
-its scale tensor is hidden. Other quantization methods are refused by name.
+FP8 checkpoints read as bf16: an F8_E4M3 weight beside its scales, `<name>_scale_inv` (one a
+block: quant_method "fp8", Qwen's and DeepSeek's -FP8 releases) or `<name>_scale` (a channel or
+the tensor: quant_method "fp8" of AutoFP8, or "compressed-tensors" with 8-bit float weights), is
+dequantized on read (q * scale, rounded to bf16 as transformers does) and its scale tensor is
+hidden. Other quantization methods are refused by name.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.flo
           "F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "U32": np.uint32, "I16": np.int16,
           "U16": np.uint16}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
-FP8_SCALE = "_scale_inv"    # suffix of a block-scaled FP8 weight's scale tensor
+FP8_SCALES = ("_scale_inv", "_scale")   # suffixes of an FP8 weight's scale tensor (q * scale)
 
 
 class CheckpointError(ValueError):
@@ -154,26 +155,47 @@ class Checkpoint:
             return shards
         raise CheckpointError(f"{self.dir}: no {base}.safetensors and no {base}.safetensors.index.json")
 
-    def _find_fp8(self, cfg_path: Path) -> None:
-        """Refuse quantization methods the engine does not read; register each block-scaled FP8
-        weight (it then reads as bf16) and hide its scale tensor."""
+    def _fp8_block(self, cfg_path: Path) -> list | None:
+        """The declared FP8 block shape of quantization_config (None: derive it from each scale
+        tensor's grid); refuses the methods and formats the engine does not read."""
         qc = self.config.get("quantization_config") or {}
         method = qc.get("quant_method")
+        if method == "compressed-tensors":   # FP8 only: 8-bit float weights, scale a channel/tensor/block
+            block = None
+            for gname, g in (qc.get("config_groups") or {}).items():
+                w = g.get("weights") or {}
+                if (w.get("num_bits"), w.get("type")) != (8, "float") or \
+                        qc.get("format") not in ("float-quantized", "naive-quantized"):
+                    raise CheckpointError(
+                        f"{cfg_path}: quantization_config.config_groups.{gname}.weights is "
+                        f"{w.get('num_bits')}-bit {w.get('type')} ({qc.get('format')}); the engine "
+                        "reads compressed-tensors checkpoints with FP8 (8-bit float) weights only")
+                if w.get("strategy") == "block":
+                    block = w.get("block_structure")
+            return block
         if method not in (None, "fp8"):
             raise CheckpointError(
                 f"{cfg_path}: quantization_config.quant_method is {method!r}; the engine reads "
-                "bf16 / fp16 / fp32 checkpoints and block-scaled FP8 ones (quant_method 'fp8')")
+                "bf16 / fp16 / fp32 checkpoints and FP8 ones (quant_method 'fp8', or "
+                "'compressed-tensors' with 8-bit float weights)")
         if qc.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"{cfg_path}: quantization_config.fmt is {qc['fmt']!r}; "
                                   "expected 'e4m3'")
-        declared = qc.get("weight_block_size")
+        return qc.get("weight_block_size")
+
+    def _find_fp8(self, cfg_path: Path) -> None:
+        """Register each FP8 weight (it then reads as bf16) and hide its scale tensor (and a
+        static activation scale, which the engine does not use: activations stay float)."""
+        declared = self._fp8_block(cfg_path)
         for name, t in list(self.tensors.items()):
             if t.dtype != "F8_E4M3":
                 continue
-            sc = self.tensors.get(name + FP8_SCALE)
+            sc = next((self.tensors[name + x] for x in FP8_SCALES if name + x in self.tensors),
+                      None)
             if sc is None:
                 raise CheckpointError(f"{t.file}: tensor {name} is FP8 (F8_E4M3) but "
-                                      f"{name}{FP8_SCALE} is missing: its scales are needed")
+                                      f"{name}{FP8_SCALES[0]} (or {name}{FP8_SCALES[1]}) is "
+                                      "missing: its scales are needed")
             if len(t.shape) != 2:
                 raise CheckpointError(f"{t.file}: FP8 tensor {name} has shape {list(t.shape)}; "
                                       "expected a 2-D weight")
@@ -197,6 +219,8 @@ class Checkpoint:
             self.fp8[name] = (t, sc, bn, bk)
             self.tensors[name] = TensorInfo(name, t.file, "BF16", t.shape, t.start, r * k * 2)
             del self.tensors[sc.name]
+            if name.endswith("weight"):
+                self.tensors.pop(name[:-len("weight")] + "input_scale", None)
 
     _FUSED = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
 

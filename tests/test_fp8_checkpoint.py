@@ -33,33 +33,80 @@ def quantize_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, to
     return q, s.float()
 
 
-def write_fp8(src, dst, block=(16, 16), scale_dtype=torch.float32, drop_scale=None):
-    """The float32 checkpoint in src as a block-scaled FP8 checkpoint in dst."""
+def write_fp8(src, dst, block=(16, 16), scale_dtype=torch.float32, drop_scale=None,
+              scheme="block"):
+    """The float32 checkpoint in src as an FP8 checkpoint in dst: scheme "block" (quant_method
+    fp8, weight_scale_inv a block), "channel" (compressed-tensors, weight_scale [N, 1]) or
+    "tensor" (AutoFP8's quant_method fp8: one weight_scale, and an input_scale)."""
     dst.mkdir()
     tensors = {}
     for name, w in load_file(src / "model.safetensors").items():
         if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
-            q, s = quantize_blocks(w, *block)
+            r, k = w.shape
+            q, s = quantize_blocks(w, *{"block": block, "channel": (1, k),
+                                        "tensor": (r, k)}[scheme])
             tensors[name] = q
+            suffix = "_scale_inv" if scheme == "block" else "_scale"
+            if scheme == "tensor":
+                s = s.reshape(())
+                tensors[name[:-len("weight")] + "input_scale"] = torch.tensor(0.02)
             if name != drop_scale:
-                tensors[name + "_scale_inv"] = s.to(scale_dtype)
+                tensors[name + suffix] = s.to(scale_dtype)
         else:
             tensors[name] = w.to(torch.bfloat16)
     save_file(tensors, dst / "model.safetensors")
     cfg = json.loads((src / "config.json").read_text())
     cfg["dtype"] = "bfloat16"
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block)}
+    cfg["quantization_config"] = {
+        "block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": list(block)},
+        "tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+        "channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                    "config_groups": {"group_0": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                    "symmetric": True, "dynamic": False},
+                        "input_activations": {"num_bits": 8, "type": "float",
+                                              "strategy": "token", "dynamic": True}}},
+                    "ignore": ["lm_head", "re:.*mlp.gate$"]},
+    }[scheme]
     (dst / "config.json").write_text(json.dumps(cfg))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(src / f, dst / f)
 
 
-def fp8_reference(path):
-    """transformers on the FP8 folder: dequantized to bf16 on load, then run in float32."""
+def dequantized_copy(src, dst):
+    """src (an FP8 folder) as a bf16 checkpoint in dst, dequantized here by torch: q * scale
+    broadcast over its block, rounded to bf16."""
+    dst.mkdir()
+    raw = load_file(src / "model.safetensors")
+    out = {}
+    for name, t in raw.items():
+        if name.endswith(("_scale", "_scale_inv", "input_scale")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            s = raw.get(name + "_scale_inv", raw.get(name + "_scale")).float()
+            s = s.reshape((1, 1) if s.dim() == 0 else s.shape)
+            bn, bk = -(-t.shape[0] // s.shape[0]), -(-t.shape[1] // s.shape[1])
+            s = s.repeat_interleave(bn, 0)[:t.shape[0]].repeat_interleave(bk, 1)[:, :t.shape[1]]
+            t = (t.float() * s).to(torch.bfloat16)
+        out[name] = t
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / f, dst / f)
+
+
+def tf_reference(path):
+    """transformers on the folder in bf16 (an FP8 one dequantized to bf16 on load), run in
+    float32."""
     import transformers as tf
     return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
+
+
+fp8_reference = tf_reference
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +141,28 @@ def test_fp8_checkpoint_packed_matches_transformers(fp8_model, tmp_path):
     check_against(fp8_reference(fp8_model), engine.load(dst, device="cpu"))
 
 
+@pytest.mark.parametrize("scheme", ["channel", "tensor"])
+def test_fp8_scaled_checkpoints_match_transformers(tmp_path, scheme):
+    """compressed-tensors FP8 (a scale a channel) and AutoFP8 (a scale a tensor, static input
+    scales): against transformers on the same weights dequantized by torch (transformers reads
+    these only through the compressed-tensors package or a GPU)."""
+    build_hf_model(tmp_path / "f32", "qwen3_moe")
+    write_fp8(tmp_path / "f32", tmp_path / "fp8", scheme=scheme)
+    dequantized_copy(tmp_path / "fp8", tmp_path / "bf16")
+    ck = Checkpoint(tmp_path / "fp8")
+    assert ck.fp8 and not any(n.endswith(("_scale", "input_scale")) for n in ck.tensors)
+    ref = tf_reference(tmp_path / "bf16")
+    check_against(ref, engine.load(tmp_path / "fp8", device="cpu"))
+
+
+def test_fp8_block_oracle_agrees_with_transformers(fp8_model, tmp_path):
+    """The torch dequantization the scale tests rely on gives transformers' own weights."""
+    dequantized_copy(fp8_model, tmp_path / "bf16")
+    a, b = fp8_reference(fp8_model), tf_reference(tmp_path / "bf16")
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
+
+
 @pytest.mark.parametrize("r,k,bn,bk", [(48, 64, 16, 16), (50, 70, 16, 32), (7, 5, 128, 128)])
 def test_dequant_blocks_against_torch(r, k, bn, bk):
     rng = np.random.default_rng()
@@ -125,7 +194,7 @@ def test_fp8_errors(tmp_path):
     build_hf_model(tmp_path / "f32", "qwen3_moe")
     name = "model.layers.1.mlp.experts.2.up_proj.weight"
     write_fp8(tmp_path / "f32", tmp_path / "noscale", drop_scale=name)
-    with pytest.raises(CheckpointError, match=f"{name} is FP8.*_scale_inv is missing"):
+    with pytest.raises(CheckpointError, match=fr"{name} is FP8.*_scale\) is missing"):
         Checkpoint(tmp_path / "noscale")
 
     write_fp8(tmp_path / "f32", tmp_path / "grid", block=(16, 16))
@@ -133,6 +202,14 @@ def test_fp8_errors(tmp_path):
     cfg["quantization_config"]["weight_block_size"] = [32, 16]   # disagrees with the scales
     (tmp_path / "grid" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"_scale_inv has shape \[\d+, \d+\]; expected"):
+        Checkpoint(tmp_path / "grid")
+
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "config_groups": {"group_0": {"weights": {"num_bits": 4,
+                                                                            "type": "int"}}}}
+    (tmp_path / "grid" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config_groups.group_0.weights is 4-bit int "
+                                              r"\(pack-quantized\)"):
         Checkpoint(tmp_path / "grid")
 
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
