@@ -51,6 +51,16 @@ _HYBRID = {
     "dn_out": "model.layers.{l}.linear_attn.out_proj.weight",
 }
 
+# GLM-4.5 (and the DeepSeek-V3 routing it shares): a selection bias beside the router, ungated
+# shared experts.
+_GLM4_MOE = {
+    **_LLAMA_LIKE,
+    "router_bias": "model.layers.{l}.mlp.gate.e_score_correction_bias",
+    "shared_gate": "model.layers.{l}.mlp.shared_experts.gate_proj.weight",
+    "shared_up": "model.layers.{l}.mlp.shared_experts.up_proj.weight",
+    "shared_down": "model.layers.{l}.mlp.shared_experts.down_proj.weight",
+}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "olmoe": _LLAMA_LIKE,
@@ -61,6 +71,7 @@ NAMES: dict[str, dict[str, str]] = {
         "expert_up": "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
         "expert_down": "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
     },
+    "glm4_moe": _GLM4_MOE,
     "qwen3_next": _HYBRID,
     "qwen3_5_moe_text": _HYBRID,
     # the image-text wrapper (Qwen3_5MoeForConditionalGeneration): its language model, under

@@ -197,6 +197,59 @@ def router_topk(logits, k, norm, ids, weights):
                 weights[ti, kk] /= s
 
 
+@njit(cache=True, nogil=True)
+def router_sigmoid_topk(logits, bias, k, n_group, topk_group, norm, scale, ids, weights):
+    """logits [T, E] f32, bias [E] f32 -> ids int32 [T, K], weights f32 [T, K]: sigmoid scores,
+    chosen on score + bias within the topk_group best of n_group groups (a group's worth: its
+    two best choice scores summed), the k largest (lower index first on ties); weights the
+    scores, renormalized (sum + 1e-20) when norm, times scale. reference.router_sigmoid_topk."""
+    t, e = logits.shape
+    per = e // n_group
+    for ti in range(t):
+        sc = np.empty(e, dtype=np.float32)
+        ch = np.empty(e, dtype=np.float32)
+        for j in range(e):
+            sc[j] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-logits[ti, j])))
+            ch[j] = sc[j] + bias[j]
+        allowed = np.ones(e, dtype=np.bool_)
+        if topk_group < n_group:
+            gsum = np.empty(n_group, dtype=np.float32)
+            for g in range(n_group):
+                b1 = np.float32(-np.inf)
+                b2 = np.float32(-np.inf)
+                for j in range(g * per, (g + 1) * per):
+                    if ch[j] > b1:
+                        b2 = b1
+                        b1 = ch[j]
+                    elif ch[j] > b2:
+                        b2 = ch[j]
+                gsum[g] = b1 + (b2 if per > 1 else np.float32(0.0))
+            gtaken = np.zeros(n_group, dtype=np.bool_)
+            for kk in range(topk_group):
+                best = -1
+                for g in range(n_group):
+                    if not gtaken[g] and (best < 0 or gsum[g] > gsum[best]):
+                        best = g
+                gtaken[best] = True
+            for j in range(e):
+                allowed[j] = gtaken[j // per]
+        taken = np.zeros(e, dtype=np.bool_)
+        tot = np.float32(0.0)
+        for kk in range(k):
+            best = -1
+            for j in range(e):
+                if allowed[j] and not taken[j] and (best < 0 or ch[j] > ch[best]):
+                    best = j
+            taken[best] = True
+            ids[ti, kk] = best
+            weights[ti, kk] = sc[best]
+            tot += sc[best]
+        for kk in range(k):
+            if norm:
+                weights[ti, kk] /= tot + np.float32(1e-20)
+            weights[ti, kk] *= np.float32(scale)
+
+
 # ---- expert kernels (quantized blocks) -------------------------------------------------------
 
 @njit(inline="always")
@@ -449,6 +502,16 @@ class CpuOps:
         ids = np.empty((t, k), dtype=np.int32)
         w = np.empty((t, k), dtype=np.float32)
         router_topk(np.ascontiguousarray(logits, dtype=np.float32), k, norm, ids, w)
+        return ids, w
+
+    def router_sigmoid(self, logits: np.ndarray, bias: np.ndarray, k: int, n_group: int,
+                       topk_group: int, norm: bool, scale: float):
+        t = logits.shape[0]
+        ids = np.empty((t, k), dtype=np.int32)
+        w = np.empty((t, k), dtype=np.float32)
+        router_sigmoid_topk(np.ascontiguousarray(logits, dtype=np.float32),
+                            np.ascontiguousarray(bias, dtype=np.float32), k, n_group, topk_group,
+                            norm, scale, ids, w)
         return ids, w
 
     def expert(self, x: np.ndarray, weights) -> np.ndarray:

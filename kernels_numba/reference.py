@@ -127,6 +127,32 @@ def router_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.nd
     return ids, w.astype(np.float32)
 
 
+def router_sigmoid_topk(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int,
+                        topk_group: int, norm_topk_prob: bool,
+                        scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V3 / GLM-4.5 routing: logits [T, E] -> (ids int32 [T, K], weights float32 [T, K]).
+
+    scores = sigmoid(logits); experts are chosen on scores + bias (larger first, lower index
+    first on ties) within the topk_group of n_group equal groups whose two best choice scores
+    sum highest; the weights are the chosen experts' scores without the bias, renormalized
+    (sum + 1e-20) when norm_topk_prob, times scale.
+    """
+    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    c = s + bias.astype(np.float64)
+    t, e = c.shape
+    per = e // n_group
+    grouped = np.sort(c.reshape(t, n_group, per), axis=-1)[..., -min(2, per):].sum(-1)
+    keep = np.argsort(-grouped, axis=-1, kind="stable")[:, :topk_group]
+    allowed = np.zeros((t, n_group), bool)
+    np.put_along_axis(allowed, keep, True, axis=-1)
+    c = np.where(np.repeat(allowed, per, axis=1), c, -np.inf)
+    ids = np.argsort(-c, axis=-1, kind="stable")[:, :k].astype(np.int32)
+    w = np.take_along_axis(s, ids, axis=-1)
+    if norm_topk_prob:
+        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    return ids, (w * scale).astype(np.float32)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 

@@ -46,6 +46,11 @@ def hf_config(family: str, **over):
         kw.update(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
         kw.pop("head_dim")
         cls = tf.MixtralConfig
+    elif family == "glm4_moe":
+        kw.update(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                  num_hidden_layers=3, attention_bias=True, n_group=1, topk_group=1)
+        cls = tf.Glm4MoeConfig
     elif family == "olmoe":
         kw.update(intermediate_size=32, num_experts=4, num_experts_per_tok=2)
         kw.pop("head_dim")
@@ -80,9 +85,13 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
     cfg = hf_config(family, **over)
     torch.manual_seed(np.random.default_rng(seed).integers(1 << 31))
     cls = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
-           "olmoe": tf.OlmoeForCausalLM}[family]
+           "olmoe": tf.OlmoeForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM}[family]
     model = cls(cfg)
     widen_init(model)
+    with torch.no_grad():   # a buffer, not a parameter: a selection bias that matters
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
     model = model.to(getattr(torch, dtype)).eval()
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(dst, **kw)

@@ -86,6 +86,22 @@ def test_router_topk(e, k, norm):
     assert rel(w, rw) < 1e-5
 
 
+@pytest.mark.parametrize("e,k,groups,top_groups,norm,scale", [
+    (8, 2, 1, 1, True, 1.0), (16, 3, 4, 2, True, 2.5), (12, 4, 3, 3, False, 1.0),
+    (32, 8, 8, 4, True, 1.5), (6, 6, 2, 2, False, 0.5)])
+def test_router_sigmoid_topk(e, k, groups, top_groups, norm, scale):
+    logits = rng.standard_normal((7, e)).astype(np.float32) * 2
+    bias = (rng.standard_normal(e) * 0.3).astype(np.float32)
+    ids = np.full((7, k), -1, np.int32)
+    w = poisoned((7, k))
+    cpu.router_sigmoid_topk(logits, bias, k, groups, top_groups, norm, scale, ids, w)
+    rid, rw = ref.router_sigmoid_topk(logits, bias, k, groups, top_groups, norm, scale)
+    assert np.array_equal(ids, rid)
+    assert rel(w, rw) < 1e-5
+    if top_groups < groups:   # every pick inside the chosen groups
+        assert all(len(set(row // (e // groups))) <= top_groups for row in ids)
+
+
 def test_expert_dense_weights():
     h, i = 40, 24
     x = rng.standard_normal((3, h)).astype(np.float32)

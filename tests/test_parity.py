@@ -20,6 +20,11 @@ CASES = [
     ("mixtral", {}),
     ("mixtral", dict(num_attention_heads=8, num_key_value_heads=2, num_experts_per_tok=4,
                      tie_word_embeddings=True, sliding_window=6)),
+    ("glm4_moe", {}),
+    ("glm4_moe", dict(n_group=4, topk_group=2, num_experts_per_tok=3, use_qk_norm=True,
+                      routed_scaling_factor=2.5, first_k_dense_replace=0, attention_bias=False,
+                      partial_rotary_factor=0.25, n_shared_experts=2)),
+    ("glm4_moe", dict(norm_topk_prob=False, n_shared_experts=0, tie_word_embeddings=True)),
     ("olmoe", {}),
     ("olmoe", dict(norm_topk_prob=True, clip_qkv=0.5, num_key_value_heads=4)),
 ]

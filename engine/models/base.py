@@ -46,6 +46,11 @@ class MoeConfig:
     attention_bias: bool = False
     sliding_window: int = 0         # 0 = full causal attention
     moe_layers: tuple = ()          # indices of layers with routed experts
+    routing: str = "softmax"        # softmax | sigmoid (DeepSeek-V3 / GLM-4.5: sigmoid scores,
+    n_group: int = 1                #   a selection bias, the best topk_group of n_group groups,
+    topk_group: int = 1             #   weights times routed_scale)
+    routed_scale: float = 1.0
+    shared_intermediate: int = 0    # I of the ungated shared expert(s) beside the routed ones
     eos_token_ids: tuple = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -113,6 +118,12 @@ def dense_spec(c: MoeConfig) -> dict[str, tuple]:
             spec[name(f, "k_norm", l)] = (c.kv_dim,)
         if l in c.moe_layers:
             spec[name(f, "router", l)] = (c.n_experts, h)
+            if c.routing == "sigmoid":
+                spec[name(f, "router_bias", l)] = (c.n_experts,)
+            if c.shared_intermediate:
+                spec[name(f, "shared_gate", l)] = (c.shared_intermediate, h)
+                spec[name(f, "shared_up", l)] = (c.shared_intermediate, h)
+                spec[name(f, "shared_down", l)] = (h, c.shared_intermediate)
         else:
             spec[name(f, "mlp_gate", l)] = (c.dense_intermediate, h)
             spec[name(f, "mlp_up", l)] = (c.dense_intermediate, h)
@@ -208,9 +219,15 @@ class MoeDecoder:
         return self.ops.expert(h, (self.w("mlp_gate", l), self.w("mlp_up", l), self.w("mlp_down", l)))
 
     def moe(self, l: int, h):
-        """Routed experts: each expert runs once over all the tokens routed to it."""
-        c, ops = self.c, self.ops
-        ids, rw = ops.router(ops.linear(h, self.w("router", l)), c.top_k, c.norm_topk_prob)
+        """Routed experts: each expert runs once over all the tokens routed to it; then the
+        shared expert, if any."""
+        c, ops, w = self.c, self.ops, self.w
+        logits = ops.linear(h, w("router", l))
+        if c.routing == "sigmoid":
+            ids, rw = ops.router_sigmoid(logits, w("router_bias", l), c.top_k, c.n_group,
+                                         c.topk_group, c.norm_topk_prob, c.routed_scale)
+        else:
+            ids, rw = ops.router(logits, c.top_k, c.norm_topk_prob)
         if self.on_route is not None:
             self.on_route(l, ids)
         uniq = np.unique(ids)
@@ -218,4 +235,7 @@ class MoeDecoder:
         for e, we in zip(uniq, self.experts.fetch(l, uniq)):
             t_idx, k_idx = np.nonzero(ids == e)
             ops.scatter_add_rows(out, t_idx, ops.expert(ops.take_rows(h, t_idx), we), rw[t_idx, k_idx])
+        if c.shared_intermediate:
+            ops.add_(out, ops.expert(h, (w("shared_gate", l), w("shared_up", l),
+                                         w("shared_down", l))))
         return out

@@ -1,0 +1,47 @@
+"""GLM-4.5 (GLM-4.5-Air, GLM-4.6): sigmoid routing with a selection bias (group-limited, scaled
+weights), ungated shared experts, partial RoPE, q/k/v biases, optional per-head q/k RMSNorm, the
+first layers dense."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.models.base import MoeConfig, MoeDecoder, dense_spec, expert_spec, need  # noqa: F401
+from engine.models.rope import ConfigError
+
+
+@dataclass(frozen=True)
+class Glm4MoeConfig(MoeConfig):
+    ignored_parts: tuple = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Glm4MoeConfig":
+        cfg = dict(cfg)
+        cfg.setdefault("num_experts", need(cfg, "n_routed_experts", "num_local_experts"))
+        if "partial_rotary_factor" not in cfg and \
+                "partial_rotary_factor" not in (cfg.get("rope_parameters") or {}):
+            cfg["partial_rotary_factor"] = 0.5            # the reference's default
+        f = MoeConfig.common_hf(cfg)
+        n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+        if f["n_experts"] % n_group or not 1 <= topk_group <= n_group:
+            raise ConfigError(f"config.json: n_group={n_group} must divide n_routed_experts="
+                              f"{f['n_experts']} and topk_group={topk_group} be in 1..{n_group}")
+        if n_group > 1 and f["n_experts"] // n_group < 2:
+            raise ConfigError(f"config.json: n_group={n_group} leaves fewer than 2 experts a group")
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        f["moe_layers"] = tuple(range(first_dense, f["n_layers"]))
+        moe_i = int(need(cfg, "moe_intermediate_size"))
+        n_mtp = int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_layers") or 0)
+        mtp = tuple((f"model.layers.{f['n_layers'] + i}.",
+                     "the multi-token-prediction (MTP) layer") for i in range(n_mtp))
+        return cls(**f, moe_intermediate=moe_i,
+                   dense_intermediate=int(cfg.get("intermediate_size") or 0),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                   qk_norm="head" if cfg.get("use_qk_norm") else "none",
+                   routing="sigmoid", n_group=n_group, topk_group=topk_group,
+                   routed_scale=float(cfg.get("routed_scaling_factor") or 1.0),
+                   shared_intermediate=moe_i * int(cfg.get("n_shared_experts") or 0),
+                   ignored_parts=mtp)
+
+
+Model = MoeDecoder
+Config = Glm4MoeConfig
