@@ -33,7 +33,8 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
     # attention scratch: a chunk of t queries gets t times fewer pieces than one decode query
     # (alloc_partials), and the one-token buffers of the decode graphs are kept beside it
     pieces = t * num_splits(max_context, t=t) + num_splits(max_context)
-    return 4 * (t * (5 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts)
+    return 4 * (t * (5 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts
+                     + 2 * c.shared_intermediate)
                 + t * c.top_k * (c.moe_intermediate + c.hidden) + c.vocab_size * 2
                 + c.n_heads * pieces * (c.head_dim + 2))
 
@@ -76,6 +77,9 @@ class Buffers:
         if c.dense_intermediate and len(c.moe_layers) < c.n_layers:
             self.g = cuda.device_array((t, c.dense_intermediate), f)
             self.u = cuda.device_array((t, c.dense_intermediate), f)
+        if c.shared_intermediate:
+            self.sg = cuda.device_array((t, c.shared_intermediate), f)     # [T, Is]
+            self.su = cuda.device_array((t, c.shared_intermediate), f)
         # host staging (pinned): ids and weights back from the device, slot tables out
         self.ids_h = cuda.pinned_array((t, c.top_k), np.int32)
         self.w_h = cuda.pinned_array((t, c.top_k), f)
@@ -461,18 +465,19 @@ class GpuDecoder:
             return
         self._norm_router(l, b, 1)
         if device_ids:   # the experts' slots too, from the device slot table (_seg_experts)
-            gs.router_topk(b.rl, c.norm_topk_prob, self.ids_all_d[l:l + 1], b.w, cs,
-                           slots=(self.slot_of_d[l], self.slots_d[l:l + 1]))
+            self._topk(l, b.rl, self.ids_all_d[l:l + 1], b.w,
+                       slots=(self.slot_of_d[l], self.slots_d[l:l + 1]))
         else:
-            gs.router_topk(b.rl, c.norm_topk_prob, b.ids, b.w, cs)
+            self._topk(l, b.rl, b.ids, b.w)
             b.ids[0].copy_to_host(self.ids_all_h[l], stream=cs)
         nl = self.next_moe[l]
         if self.speculate and nl is not None and not self.plan.all_resident:
             # the next MoE layer's router on this layer's input: its experts can start copying
             # while this layer computes
             self._linear(self.w("router", nl), b.h, self.rl_spec)
-            gs.router_topk(self.rl_spec, c.norm_topk_prob, self.ids_spec, self.w_spec, cs)
+            self._topk(nl, self.rl_spec, self.ids_spec, self.w_spec)
             self.ids_spec[0].copy_to_host(self.spec_h[nl], stream=cs)
+        self._shared_expert(l, b, 1)
 
     def _seg_experts(self, l, device_slots: bool):
         """device_slots: slots_d[l] was filled on the device by the router (_seg_layer_dense with
@@ -690,15 +695,43 @@ class GpuDecoder:
         gd.rmsnorm(x, self.w("mlp_norm", l), c.rms_eps, h, self.cs)
         self._linear(self.w("router", l), h, rl)
 
-    def _route(self, l, b, t):
-        """Router on the device; ids and weights to the host (the one sync of the layer)."""
+    def _topk(self, l, rl, ids, w, slots=None):
+        """The routing of layer l's logits rl: softmax top-k, or (routing "sigmoid") sigmoid
+        scores chosen with the layer's selection bias within groups."""
+        c = self.c
+        if c.routing == "sigmoid":
+            gs.router_sigmoid_topk(rl, self.w("router_bias", l), c.n_group, c.topk_group,
+                                   c.norm_topk_prob, c.routed_scale, ids, w, self.cs, slots=slots)
+        else:
+            gs.router_topk(rl, c.norm_topk_prob, ids, w, self.cs, slots=slots)
+
+    def _shared_expert(self, l, b, t):
+        """x += SwiGLU_shared(h), h = the MoE input (b.h after the router); in the dense segment
+        after the router (the routed experts add theirs after the host's resolve)."""
         c, cs = self.c, self.cs
+        if not c.shared_intermediate:
+            return
+        h, g, u = b.h[:t], b.sg[:t], b.su[:t]
+        self._linear(self.w("shared_gate", l), h, g)
+        self._linear(self.w("shared_up", l), h, u)
+        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), cs)
+        self._shared_out(l, b, t, g)
+
+    def _shared_out(self, l, b, t, g):
+        """x += g @ shared_down^T (the hybrid families gate it first)."""
+        self._linear_add(self.w("shared_down", l), g, b.o[:t], b.x[:t])
+
+    def _route(self, l, b, t):
+        """Router on the device; ids and weights to the host (the one sync of the layer); then
+        the shared expert, as in the graphed segments."""
+        cs = self.cs
         self._norm_router(l, b, t)
-        gs.router_topk(b.rl[:t], c.norm_topk_prob, b.ids[:t], b.w[:t], cs)
+        self._topk(l, b.rl[:t], b.ids[:t], b.w[:t])
         b.ids[:t].copy_to_host(b.ids_h[:t], stream=cs)
         if t > 1:
             b.w[:t].copy_to_host(b.w_h[:t], stream=cs)
         cs.synchronize()
+        self._shared_expert(l, b, t)
         ids = np.array(b.ids_h[:t])
         if self.route_override is not None:
             ids = self.route_override(l, ids)

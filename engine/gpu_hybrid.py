@@ -116,7 +116,7 @@ def state_bytes(c, max_context: int) -> int:
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
     """GpuDecoder's activations for t tokens plus the hybrid ones (HybridBuffers)."""
-    extra = c.q_dim + 2 * c.lin_v_heads + 2 * c.value_dim + c.conv_dim + 2 * c.shared_intermediate + 1
+    extra = c.q_dim + 2 * c.lin_v_heads + 2 * c.value_dim + c.conv_dim + 1   # (shared: base)
     return _base_run_state_bytes(c, t, max_context) + 4 * (t * extra + 2 * c.q_dim + 2 * c.kv_dim)
 
 
@@ -137,9 +137,7 @@ class HybridBuffers(Buffers):
             self.qkvz = cuda.device_array((t, c.conv_dim + c.value_dim), f)  # [T, C + Nv Dv]
             self.ba = cuda.device_array((t, 2 * c.lin_v_heads), f)           # [T, 2 Nv]
             self.dn = cuda.device_array((t, c.value_dim), f)                 # [T, Nv Dv]
-        if c.shared_intermediate:
-            self.sg = cuda.device_array((t, c.shared_intermediate), f)      # [T, Is]
-            self.su = cuda.device_array((t, c.shared_intermediate), f)
+        if c.shared_intermediate:   # (its sg, su: Buffers)
             self.sgate = cuda.device_array((t, 1), f)                        # [T, 1]
 
 
@@ -247,31 +245,14 @@ class GpuHybridDecoder(GpuDecoder):
 
     # ---- shared expert ---------------------------------------------------------------------
 
-    def _shared_expert(self, l, b, t):
-        """x += sigmoid(h . w_gate) * SwiGLU_shared(h), h = the MoE input (b.h after the router)."""
-        c, cs = self.c, self.cs
-        if not c.shared_intermediate:
-            return
-        h, g, u, o = b.h[:t], b.sg[:t], b.su[:t], b.o[:t]
-        self._linear(self.w("shared_gate", l), h, g)
-        self._linear(self.w("shared_up", l), h, u)
-        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), cs)
+    def _shared_out(self, l, b, t, g):
+        """x += sigmoid(h . w_gate) * (g @ shared_down^T), h = the MoE input (b.h)."""
+        cs, o = self.cs, b.o[:t]
         self._linear(self.w("shared_down", l), g, o)
-        self._linear(self.w("shared_expert_gate", l), h, b.sgate[:t])
+        self._linear(self.w("shared_expert_gate", l), b.h[:t], b.sgate[:t])
         gdn.sigmoid_gate(o, b.sgate[:t], cs)
         x = b.x[:t]
         gd.add(x.reshape(-1), o.reshape(-1), x.reshape(-1), cs)
-
-    def _seg_layer_dense(self, l, st, device_ids: bool = False):
-        super()._seg_layer_dense(l, st, device_ids)
-        if l in self.c.moe_layers:
-            self._shared_expert(l, self.one, 1)
-
-    def _route(self, l, b, t):
-        # eager path: the shared expert goes in before the routed ones, as in the graphed segments
-        ids = super()._route(l, b, t)
-        self._shared_expert(l, b, t)
-        return ids
 
     # ---- graphs ----------------------------------------------------------------------------
 

@@ -160,9 +160,11 @@ def _dense_keys(c):
         per += ["q_bias", "k_bias", "v_bias"]
     if c.qk_norm != "none":
         per += ["q_norm", "k_norm"]
+    moe = ["router"] + (["router_bias"] if c.routing == "sigmoid" else []) + \
+        (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else [])
     for l in range(c.n_layers):
         keys += [(k, l) for k in per]
-        keys += [(k, l) for k in (["router"] if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
+        keys += [(k, l) for k in (moe if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
     assert all(k in NAMES[c.family] for k, _ in keys)
     return keys
 
@@ -196,7 +198,8 @@ def cuda_status() -> tuple[bool, str]:
         return False, f"CUDA unavailable ({type(e).__name__}: {e})"
 
 
-GPU_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+GPU_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "qwen3_5_moe",
+                "qwen3_5_moe_text")
 
 
 def pick_device(device: str, family: str) -> str:

@@ -227,6 +227,133 @@ def router_topk(logits, norm_topk_prob, ids, weights, stream, slots=None, varian
     kern[t, WARP, stream](logits, norm, ids, weights, slot_of, out)
 
 
+def _make_router_sigmoid(SLOTS):
+    @cuda.jit(device=True, inline=True)
+    def body(logits, bias, n_group, topk_group, norm, scale, ids, weights, slot_of, slots):
+        """grid T, 32 threads. Choice keys (sigmoid + bias) in shared memory; lanes < n_group
+        score their group (its two best keys), lane 0 keeps the topk_group best groups, the
+        rest are knocked out; then K rounds of lane scan + warp argmax as the softmax base
+        kernel, each pick weighted by its sigmoid score. SLOTS: slots[t, k] = slot_of[ids]."""
+        key = cuda.shared.array(ROUTER_MAX_E, float32)
+        sig = cuda.shared.array(ROUTER_MAX_E, float32)
+        gsum = cuda.shared.array(WARP, float32)
+        red = cuda.shared.array(WARP, float32)
+        red_i = cuda.shared.array(WARP, int32)
+        t = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        E = logits.shape[1]
+        K = ids.shape[1]
+        for e in range(lane, E, WARP):
+            v = float32(1.0) / (float32(1.0) + math.exp(-logits[t, e]))
+            sig[e] = v
+            key[e] = v + bias[e]
+        cuda.syncthreads()
+        if topk_group < n_group:
+            per = E // n_group
+            if lane < n_group:
+                b1 = NEG_INF
+                b2 = NEG_INF
+                for e in range(lane * per, (lane + 1) * per):
+                    v = key[e]
+                    if v > b1:
+                        b2 = b1
+                        b1 = v
+                    elif v > b2:
+                        b2 = v
+                gsum[lane] = b1 + b2
+            cuda.syncthreads()
+            if lane == 0:   # keep the best topk_group groups: the others' sums become NaN
+                for g in range(n_group):
+                    red_i[g] = 0
+                for _ in range(topk_group):
+                    bg = int32(-1)
+                    for g in range(n_group):
+                        if red_i[g] == 0 and (bg < 0 or gsum[g] > gsum[bg]):
+                            bg = g
+                    red_i[bg] = 1
+                for g in range(n_group):
+                    if red_i[g] == 0:
+                        gsum[g] = NEG_INF
+            cuda.syncthreads()
+            for e in range(lane, E, WARP):
+                if gsum[e // per] == NEG_INF:
+                    key[e] = NEG_INF
+            cuda.syncthreads()
+        tot = float32(0.0)
+        for k in range(K):
+            bv = NEG_INF
+            bi = int32(E)
+            for e in range(lane, E, WARP):
+                v = key[e]
+                if v > bv or bi == E:   # NaN keys still give an id in range
+                    bv = v
+                    bi = e
+            bv, bi = warp_argmax(bv, bi, red, red_i)
+            p = sig[bi]
+            tot += p
+            if lane == 0:
+                ids[t, k] = bi
+                weights[t, k] = p
+                if SLOTS:
+                    slots[t, k] = slot_of[bi]
+                key[bi] = NEG_INF
+            cuda.syncthreads()
+        if lane == 0:
+            for k in range(K):
+                w = weights[t, k]
+                if norm:
+                    w = w / (tot + float32(1e-20))
+                weights[t, k] = w * scale
+
+    if SLOTS:
+        @pdl_kernel
+        @cuda.jit
+        def router_sigmoid_slots(logits, bias, n_group, topk_group, norm, scale, ids, weights,
+                                 slot_of, slots):
+            pdl_wait()
+            pdl_trigger()
+            body(logits, bias, n_group, topk_group, norm, scale, ids, weights, slot_of, slots)
+        return router_sigmoid_slots
+
+    @pdl_kernel
+    @cuda.jit
+    def router_sigmoid(logits, bias, n_group, topk_group, norm, scale, ids, weights):
+        pdl_wait()
+        pdl_trigger()
+        body(logits, bias, n_group, topk_group, norm, scale, ids, weights, ids[0], ids)
+    return router_sigmoid
+
+
+_router_sigmoid = _make_router_sigmoid(False)
+_router_sigmoid_slots = _make_router_sigmoid(True)
+
+
+def router_sigmoid_topk(logits, bias, n_group, topk_group, norm_topk_prob, scale, ids, weights,
+                        stream, slots=None):
+    """DeepSeek-V3 / GLM-4.5 routing (reference.router_sigmoid_topk): logits float32 [T, E],
+    bias float32 [E] -> ids int32 [T, K], weights float32 [T, K]; slots as router_topk."""
+    t, e = logits.shape
+    k = ids.shape[1]
+    if e > ROUTER_MAX_E or n_group > WARP or e % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"router_sigmoid_topk: {e} experts in {n_group} groups (at most "
+                         f"{ROUTER_MAX_E} experts, {WARP} groups that divide them), "
+                         f"topk_group {topk_group}")
+    if (k > topk_group * (e // n_group) or weights.shape != ids.shape or ids.shape[0] != t
+            or bias.shape != (e,)):
+        raise ValueError(f"router_sigmoid_topk: ids {ids.shape}, weights {weights.shape}, bias "
+                         f"{bias.shape} for logits {logits.shape} (top-k within the kept groups)")
+    args = (logits, bias, int32(n_group), int32(topk_group), int32(1 if norm_topk_prob else 0),
+            float32(scale), ids, weights)
+    if slots is None:
+        _router_sigmoid[t, WARP, stream](*args)
+        return
+    slot_of, out = slots
+    if slot_of.shape != (e,) or out.shape != ids.shape:
+        raise ValueError(f"router_sigmoid_topk slots: table {slot_of.shape} for {e} experts, "
+                         f"out {out.shape} for ids {ids.shape}")
+    _router_sigmoid_slots[t, WARP, stream](*args, slot_of, out)
+
+
 @pdl_kernel
 @cuda.jit
 def _argmax(logits, out):

@@ -415,6 +415,38 @@ def check_router_topk(rng, t, e, k):
             assert all(len(set(row)) == k for row in ih), f"router_topk v2 NaN: repeats {ih}"
 
 
+def check_router_sigmoid(rng, t, e, k, n_group, topk_group):
+    """gs.router_sigmoid_topk against the oracle (DeepSeek-V3 / GLM-4.5 routing): random logits
+    and selection bias, renormalized or not, scaled; the slot table path gives the same ids and
+    weights and slot_of[ids]; every pick inside the kept groups."""
+    from kernels_numba import gpu_sampling as gs
+    stream = cuda.stream()
+    slot_of = rng.permutation(2 * e)[:e].astype(np.int32)
+    dso = cuda.to_device(slot_of)
+    logits = (rng.standard_normal((t, e)) * 2).astype(np.float32)
+    bias = (rng.standard_normal(e) * 0.3).astype(np.float32)
+    dl, db = cuda.to_device(logits), cuda.to_device(bias)
+    for norm, scale in ((True, 2.5), (False, 1.0)):
+        what = f"router_sigmoid T={t} E={e} K={k} groups={topk_group}/{n_group} norm={norm}"
+        eids, ew = ref.router_sigmoid_topk(logits, bias, k, n_group, topk_group, norm, scale)
+        ids, w = _nan((t, k), np.int32), _nan((t, k))
+        gs.router_sigmoid_topk(dl, db, n_group, topk_group, norm, scale, ids, w, stream)
+        ids2, w2, sl = _nan((t, k), np.int32), _nan((t, k)), _nan((t, k), np.int32)
+        gs.router_sigmoid_topk(dl, db, n_group, topk_group, norm, scale, ids2, w2, stream,
+                               slots=(dso, sl))
+        stream.synchronize()
+        ih = ids.copy_to_host()
+        assert np.array_equal(ih, eids), f"{what}: ids {ih} != {eids}"
+        _close(w.copy_to_host(), ew, what=what + " weights")
+        assert np.array_equal(ids2.copy_to_host(), ih), what + ": ids (slots)"
+        assert np.array_equal(w2.copy_to_host(), w.copy_to_host()), what + ": weights (slots)"
+        assert np.array_equal(sl.copy_to_host(), slot_of[ih]), what + ": slots"
+        assert all(len(set(row // (e // n_group))) <= topk_group for row in ih), what + ": groups"
+    with pytest.raises(ValueError, match="router_sigmoid_topk"):
+        gs.router_sigmoid_topk(dl, db, n_group, topk_group, True, 1.0,
+                               _nan((t, e + 1), np.int32), _nan((t, e + 1)), stream)
+
+
 def check_router_sampling(rng, t, e, k, vocab):
     from kernels_numba import gpu_sampling as gs
     stream = cuda.stream()
@@ -545,6 +577,8 @@ def run_sim_checks() -> None:
     check_router_topk(rng, t=1, e=40, k=8)            # lanes of one and two logits
     check_router_topk(rng, t=2, e=130, k=6)           # E > 128: five a lane, the last partial
     check_router_sampling(rng, t=2, e=10, k=3, vocab=50)
+    check_router_sigmoid(rng, t=2, e=16, k=3, n_group=4, topk_group=2)
+    check_router_sigmoid(rng, t=1, e=40, k=6, n_group=1, topk_group=1)   # two keys a lane
     print(f"ok router/sampling {time.time() - t0:.0f}s", flush=True)
     print("SIM CHECKS PASSED", flush=True)
 
@@ -691,6 +725,16 @@ def test_router_topk_gpu(t, e, k):
     """Qwen3-30B-A3B's router at decode and prefill, 512 and 1024 experts, E not a multiple of
     32, K > 32 (v2 runs base)."""
     check_router_topk(np.random.default_rng(13), t, e, k)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t,e,k,n_group,topk_group", [(1, 128, 8, 1, 1), (3, 160, 8, 1, 1),
+                                                      (2, 256, 8, 8, 4), (1, 64, 6, 32, 3)])
+def test_router_sigmoid_gpu(t, e, k, n_group, topk_group):
+    """GLM-4.5-Air's and GLM-4.5's routers (128, 160 experts), DeepSeek-V3's (256 in 8 groups,
+    4 kept), 32 groups of two."""
+    check_router_sigmoid(np.random.default_rng(14), t, e, k, n_group, topk_group)
 
 
 if __name__ == "__main__":

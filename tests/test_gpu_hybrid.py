@@ -283,33 +283,14 @@ def run_sim_delta_checks() -> None:
 
 
 def run_sim_decoder_check(model: Path) -> None:
-    """The eager GpuHybridDecoder (the simulator has no CUDA graphs) against the CPU backend: a
-    2-token prefill (the T > 1 path: per-part projections, grouped experts, the chunked delta
-    rule, its threshold lowered) and a greedy decode step (the T = 1 path the graphs capture:
-    the token scan), logits compared at each. Kept this small: the simulator costs about 0.1 s
-    per 64-thread block, and a forward launches some 150 of them."""
-    import engine
-    from conftest import rel_err
-    cpu = engine.load(model, device="cpu").model
-    g = engine.load(model, device="cuda")
-    dec = g.gpu
-    dec.use_graphs = False
-    assert type(dec).__name__ == "GpuHybridDecoder"
-    dec.chunked_min_t = 2
-    sc, sg = cpu.new_state(8), dec.new_state(8)
-    ids, toks, errs = np.array([3, 17]), [], []
-    lc = np.asarray(cpu.forward(ids, sc, all_logits=True))
-    lg = dec.forward(ids, sg, all_logits=True)
-    for step in range(2):
-        errs.append(rel_err(lg, lc))
-        assert errs[-1] < 1e-4, f"step {step}: logits differ from the CPU backend by {errs[-1]:.3g}"
-        tok = int(np.argmax(lc[-1]))
-        assert int(np.argmax(lg[-1])) == tok, f"step {step}: greedy token differs"
-        toks.append(tok)
-        if step == 0:
-            lc = np.asarray(cpu.forward(np.array([tok]), sc))
-            lg = dec.forward(np.array([tok]), sg)
-    print(f"logits rel err {max(errs):.2e}, tokens {toks}", flush=True)
+    """The eager GpuHybridDecoder against the CPU backend (conftest.eager_decoder_matches_cpu),
+    the chunked delta rule's threshold lowered so the 2-token prefill takes it."""
+    from conftest import eager_decoder_matches_cpu
+
+    def setup(dec):
+        assert type(dec).__name__ == "GpuHybridDecoder"
+        dec.chunked_min_t = 2
+    eager_decoder_matches_cpu(model, setup)
     print("SIM DECODER PASSED", flush=True)
 
 

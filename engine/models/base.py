@@ -236,6 +236,10 @@ class MoeDecoder:
             t_idx, k_idx = np.nonzero(ids == e)
             ops.scatter_add_rows(out, t_idx, ops.expert(ops.take_rows(h, t_idx), we), rw[t_idx, k_idx])
         if c.shared_intermediate:
-            ops.add_(out, ops.expert(h, (w("shared_gate", l), w("shared_up", l),
-                                         w("shared_down", l))))
+            ops.add_(out, self.shared_expert(l, h))
         return out
+
+    def shared_expert(self, l: int, h):
+        """The shared expert beside the routed ones (ungated here; the hybrid families gate it)."""
+        w = self.w
+        return self.ops.expert(h, (w("shared_gate", l), w("shared_up", l), w("shared_down", l)))

@@ -254,12 +254,8 @@ class HybridDecoder(MoeDecoder):
         o = dn.rmsnorm_gated(o, z.reshape(t, nv, c.lin_v_dim), w("dn_norm", l), c.rms_eps)
         return ops.linear(o.reshape(t, vd), w("dn_out", l))
 
-    def moe(self, l: int, h):
-        """Routed experts (base: streamed through experts.fetch) + sigmoid-gated shared expert."""
-        out = super().moe(l, h)
-        if self.c.shared_intermediate:
-            w = self.w
-            sh = self.ops.expert(h, (w("shared_gate", l), w("shared_up", l), w("shared_down", l)))
-            self.dn.sigmoid_gate_(sh, self.ops.linear(h, w("shared_expert_gate", l)))   # gate [T, 1]
-            self.ops.add_(out, sh)
-        return out
+    def shared_expert(self, l: int, h):
+        """The shared expert, sigmoid-gated (base.moe adds it to the routed experts' sum)."""
+        sh = super().shared_expert(l, h)
+        self.dn.sigmoid_gate_(sh, self.ops.linear(h, self.w("shared_expert_gate", l)))  # gate [T, 1]
+        return sh
