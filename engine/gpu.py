@@ -301,7 +301,7 @@ class GpuDecoder:
                 gm.zero(a.reshape(-1), self.cs)
             self.one = self.buffers_cls(self.c, 1, self.state.max_context)
             self.chunk = None
-            self._graphs = None
+            self._drop_graphs()
         self.state.pos = 0
         return self.state
 
@@ -425,7 +425,7 @@ class GpuDecoder:
         if self.logits_d is None or self.logits_d.shape[0] < n:
             self.logits_d = cuda.device_array((max(n, 1), c.vocab_size), np.float32)
             self.logits_h = cuda.pinned_array((max(n, 1), c.vocab_size), np.float32)
-            self._graphs = None   # captured graphs wrote into the old buffer
+            self._drop_graphs()   # captured graphs wrote into the old buffer
         lw = self.w("embed") if c.tie_embeddings else self.w("lm_head")
         self._linear(lw, hn, self.logits_d[:n])
         if sample:
@@ -525,6 +525,11 @@ class GpuDecoder:
             self.slot_of_d = cuda.to_device(table, stream=self.cs)
             self.cs.synchronize()
         return True
+
+    def _drop_graphs(self):
+        from engine.graphs import destroy_all
+        destroy_all(self._graphs)
+        self._graphs = None
 
     def _capture(self, st):
         from engine.graphs import capture_fn

@@ -269,6 +269,14 @@ class CudaGraph:
         self.destroy()
 
 
+def destroy_all(graphs) -> None:
+    """Destroy the captured graphs of a dict (name -> CudaGraph), or of None: dropping the
+    references alone leaves the driver's graphs and executables allocated. An executable still
+    in flight is freed by the driver when it completes."""
+    for g in (graphs or {}).values():
+        g.destroy()
+
+
 def capture_fn(fn, stream, warmup: bool = True, mode: str = "thread_local",
                pdl: bool | None = None) -> CudaGraph:
     """Run fn(stream) once eagerly (compiles and loads its kernels), then capture it."""

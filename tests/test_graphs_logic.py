@@ -119,6 +119,7 @@ class FakeDriver:
         return (OK,)
 
     def cuGraphExecDestroy(self, exe):
+        self.destroyed.append(exe)
         return (OK,)
 
     def cuGetErrorString(self, err):
@@ -195,3 +196,18 @@ def test_recapture_updates_in_place_or_reinstantiates(monkeypatch):
     with g.capture(SimpleNamespace(handle=fake.CUstream()), pdl=False):
         pass
     assert len(fake.execs) == 2 and g.programmatic == 0 and g.graph is fake.captured
+
+
+def test_destroy_all_frees_graphs_and_executables(monkeypatch):
+    """Dropping a decoder's graphs (a new run state, a larger logits buffer) destroys each
+    graph and its executable; None is a no-op."""
+    fake = FakeDriver(_chain())
+    a = _capture(monkeypatch, fake)
+    fake.captured = _chain()
+    b = _capture(monkeypatch, fake)
+    held = [(g.graph, g.exec) for g in (a, b)]
+    eg.destroy_all({"token": a, ("dense", 0): b})
+    for graph, exe in held:
+        assert graph in fake.destroyed and exe in fake.destroyed
+    assert a.graph is None and a.exec is None and b.graph is None and b.exec is None
+    eg.destroy_all(None)
