@@ -63,7 +63,11 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
         layout = ExpertLayout.build(experts, c.hidden, c.moe_intermediate)
 
         def get_expert(layer, e):
-            return tuple(ck.get_f32(n) for n in expert_names(c.family, layer, e))
+            names = expert_names(c.family, layer, e)
+            if experts == "nvfp4" and all(n in ck.nvfp4 for n in names):
+                # an NVFP4 checkpoint's bytes are the arena's: copied, not re-quantized
+                return {m: ck.nvfp4_parts(n) for m, n in zip(("gate", "up", "down"), names)}
+            return tuple(ck.get_f32(n) for n in names)
 
         records = write_arena(tmp / ARENA_NAME, experts, layout, c.n_layers, c.n_experts, get_expert,
                               progress=progress, layers=c.moe_layers, workers=workers)
@@ -89,12 +93,13 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
                 "bf16": "bfloat16, rounded to nearest even from the checkpoint",
             }[experts],
             "dense": {"file": DENSE, "source_dtypes": sorted(
-                {("F8_E4M3" if n in ck.fp8 else ck.info(n).dtype) for n in dense})},
+                {("F8_E4M3" if n in ck.fp8 else "NVFP4" if n in ck.nvfp4 else ck.info(n).dtype)
+                 for n in dense})},
             "source": str(ck.dir),
         }
-        if ck.fp8:
-            manifest["source_quantization"] = ck.config.get("quantization_config",
-                                                             {"quant_method": "fp8"})
+        if ck.fp8 or ck.nvfp4:
+            manifest["source_quantization"] = ck.config.get(
+                "quantization_config", {"quant_method": "nvfp4" if ck.nvfp4 else "fp8"})
         # the manifest is written last: a folder without one is not a packed model
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         if dst.exists():

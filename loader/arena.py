@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from loader.layout import BLOCK_ALIGN, ExpertLayout
-from loader.quant import encode_expert_block
+from loader.quant import assemble_expert_block, encode_expert_block
 
 MAGIC = b"MOEARENA"
 VERSION = 1
@@ -68,7 +68,8 @@ def write_arena(path: str | os.PathLike, fmt: str, layout: ExpertLayout, n_layer
                 layers: Sequence[int] | None = None, workers: int | None = None) -> list[dict]:
     """Quantize every expert and write the arena to path; returns one record per block.
 
-    get_expert(layer, expert) -> (gate [I, H], up [I, H], down [H, I]) float32.
+    get_expert(layer, expert) -> (gate [I, H], up [I, H], down [H, I]) float32, or a dict of
+    pre-quantized parts in the arena's format (quant.assemble_expert_block), copied as they are.
     layers: the layer indices that hold experts (default: all n_layers), written in this order.
     Encoding runs on `workers` threads (numpy releases the GIL); blocks are written in order.
     Record: {"layer", "expert", "offset", "size", "format", "crc32"}.
@@ -81,8 +82,14 @@ def write_arena(path: str | os.PathLike, fmt: str, layout: ExpertLayout, n_layer
 
     def encode(key):
         layer, e = key
-        gate, up, down = get_expert(layer, e)
-        block = encode_expert_block(fmt, layout, gate, up, down, f"layer {layer} expert {e}")
+        got = get_expert(layer, e)
+        if isinstance(got, dict):
+            try:
+                block = assemble_expert_block(layout, got)
+            except ValueError as err:
+                raise ArenaError(f"layer {layer} expert {e}: {err}") from None
+        else:
+            block = encode_expert_block(fmt, layout, *got, f"layer {layer} expert {e}")
         return block, zlib.crc32(block)
 
     records = []

@@ -3,11 +3,13 @@
 Tensors are memory-mapped, never copied until asked for. Every header is checked: offsets within
 the file, sizes matching shape x dtype, dtypes the engine reads. Errors name the file and tensor.
 
-FP8 checkpoints read as bf16: an F8_E4M3 weight beside its scales, `<name>_scale_inv` (one a
-block: quant_method "fp8", Qwen's and DeepSeek's -FP8 releases) or `<name>_scale` (a channel or
-the tensor: quant_method "fp8" of AutoFP8, or "compressed-tensors" with 8-bit float weights), is
-dequantized on read (q * scale, rounded to bf16 as transformers does) and its scale tensor is
-hidden. Other quantization methods are refused by name.
+NVFP4 (ModelOpt) and FP8 checkpoints read as bf16, each weight dequantized on read (rounded to
+bf16 as transformers does), its scale tensors hidden. NVFP4: a uint8 weight of packed E2M1 pairs
+beside `<name>_scale` (E4M3, one a 16 values) and `<name>_scale_2` (the float32 global scale);
+the packer copies those bytes into an nvfp4 arena as they are. FP8: an F8_E4M3 weight beside
+`<name>_scale_inv` (one a block: quant_method "fp8", Qwen's and DeepSeek's -FP8 releases) or
+`<name>_scale` (a channel or the tensor: AutoFP8, ModelOpt FP8, compressed-tensors with 8-bit
+float weights), W = q * scale. Other quantization methods are refused by name.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.flo
           "U16": np.uint16}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 FP8_SCALES = ("_scale_inv", "_scale")   # suffixes of an FP8 weight's scale tensor (q * scale)
+NVFP4_GROUP = 16                          # NVFP4 values a block scale covers
 
 
 class CheckpointError(ValueError):
@@ -134,7 +137,11 @@ class Checkpoint:
             self.tensors.update(read_safetensors_header(f))
         # FP8 weight name -> (its stored tensor, its scale tensor, block rows, block columns)
         self.fp8: dict[str, tuple] = {}
-        self._find_fp8(cfg_path)
+        # NVFP4 weight name -> (its values, its block scales, its global scale tensor)
+        self.nvfp4: dict[str, tuple] = {}
+        declared = self._quant_config(cfg_path)
+        self._find_nvfp4()   # first: its block scales are F8_E4M3 tensors too
+        self._find_fp8(declared)
         self.fused: dict[str, str] = {}   # per-expert view name -> the fused tensor it lies in
         self._split_fused_experts()
 
@@ -155,11 +162,52 @@ class Checkpoint:
             return shards
         raise CheckpointError(f"{self.dir}: no {base}.safetensors and no {base}.safetensors.index.json")
 
-    def _fp8_block(self, cfg_path: Path) -> list | None:
-        """The declared FP8 block shape of quantization_config (None: derive it from each scale
-        tensor's grid); refuses the methods and formats the engine does not read."""
+    def _find_nvfp4(self) -> None:
+        """Register each NVFP4 weight (ModelOpt's layout: uint8 `weight` [N, K / 2], element 2j
+        in the low nibble of byte j; F8_E4M3 `weight_scale` [N, K / 16]; float32
+        `weight_scale_2`, the tensor's global scale; W = E2M1 * scale * global): it reads as
+        bf16 [N, K]; its scale tensors and a static `input_scale` are hidden."""
+        for name, t in list(self.tensors.items()):
+            sc, g = self.tensors.get(name + "_scale"), self.tensors.get(name + "_scale_2")
+            if t.dtype != "U8" or sc is None or sc.dtype != "F8_E4M3":
+                continue
+            if len(t.shape) != 2:
+                raise CheckpointError(f"{t.file}: NVFP4 tensor {name} has shape {list(t.shape)}; "
+                                      "expected a 2-D weight")
+            n, k = t.shape[0], 2 * t.shape[1]
+            if sc.shape != (n, k // NVFP4_GROUP) or k % NVFP4_GROUP:
+                raise CheckpointError(f"{sc.file}: tensor {sc.name} has shape {list(sc.shape)}; "
+                                      f"expected [{n}, {k // NVFP4_GROUP}] (one E4M3 scale a "
+                                      f"{NVFP4_GROUP} values of {name}, {n} x {k} in NVFP4)")
+            if g is None or g.dtype != "F32" or int(np.prod(g.shape, dtype=np.int64)) != 1:
+                got = "missing" if g is None else f"{g.dtype} {list(g.shape)}"
+                raise CheckpointError(f"{t.file}: NVFP4 tensor {name} needs {name}_scale_2, one "
+                                      f"float32 global scale ({got})")
+            self.nvfp4[name] = (t, sc, g)
+            self.tensors[name] = TensorInfo(name, t.file, "BF16", (n, k), t.start, n * k * 2)
+            del self.tensors[sc.name], self.tensors[g.name]
+            if name.endswith("weight"):
+                self.tensors.pop(name[:-len("weight")] + "input_scale", None)
+
+    def nvfp4_parts(self, name: str) -> tuple | None:
+        """An NVFP4 weight as stored: (values uint8 [N, K / 2], block scales uint8 [N, K / 16]
+        E4M3 bits, global scale float); None for any other tensor."""
+        if name not in self.nvfp4:
+            return None
+        t, sc, g = self.nvfp4[name]
+        return self._stored(t), self._stored(sc), float(self._stored(g).reshape(-1)[0])
+
+    def _quant_config(self, cfg_path: Path) -> list | None:
+        """Refuses the quantization methods and formats the engine does not read; returns the
+        declared FP8 block shape (None: derive it from each scale tensor's grid)."""
         qc = self.config.get("quantization_config") or {}
         method = qc.get("quant_method")
+        if method == "modelopt":   # NVIDIA ModelOpt: NVFP4 (_find_nvfp4) or FP8 a tensor
+            algo = str(qc.get("quant_algo", "")).upper()
+            if algo not in ("NVFP4", "FP8"):
+                raise CheckpointError(f"{cfg_path}: quantization_config.quant_algo is {algo!r}; "
+                                      "the engine reads ModelOpt NVFP4 and FP8 checkpoints")
+            return None
         if method == "compressed-tensors":   # FP8 only: 8-bit float weights, scale a channel/tensor/block
             block = None
             for gname, g in (qc.get("config_groups") or {}).items():
@@ -176,17 +224,17 @@ class Checkpoint:
         if method not in (None, "fp8"):
             raise CheckpointError(
                 f"{cfg_path}: quantization_config.quant_method is {method!r}; the engine reads "
-                "bf16 / fp16 / fp32 checkpoints and FP8 ones (quant_method 'fp8', or "
-                "'compressed-tensors' with 8-bit float weights)")
+                "bf16 / fp16 / fp32 checkpoints, FP8 ones (quant_method 'fp8', or "
+                "'compressed-tensors' with 8-bit float weights) and ModelOpt NVFP4 / FP8 ones")
         if qc.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"{cfg_path}: quantization_config.fmt is {qc['fmt']!r}; "
                                   "expected 'e4m3'")
         return qc.get("weight_block_size")
 
-    def _find_fp8(self, cfg_path: Path) -> None:
+    def _find_fp8(self, declared) -> None:
         """Register each FP8 weight (it then reads as bf16) and hide its scale tensor (and a
-        static activation scale, which the engine does not use: activations stay float)."""
-        declared = self._fp8_block(cfg_path)
+        static activation scale, which the engine does not use: activations stay float);
+        declared: the config's block shape, if any."""
         for name, t in list(self.tensors.items()):
             if t.dtype != "F8_E4M3":
                 continue
@@ -282,19 +330,29 @@ class Checkpoint:
             raise CheckpointError(f"{t.file}: {e}") from None
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as stored (bf16 as uint16 bits), memory-mapped, read-only; an FP8 weight
-        dequantized to bf16 bits (a new array)."""
+        """The tensor as stored (bf16 as uint16 bits), memory-mapped, read-only; an FP8 or
+        NVFP4 weight dequantized to bf16 bits (a new array)."""
         t = self.info(name)
-        if name in self.fp8:
+        if name in self.fp8 or name in self.nvfp4:
             from loader.quant import f32_to_bf16
-            return f32_to_bf16(self._dequant(name))
+            return f32_to_bf16(self.get_f32(name))
         return self._stored(t)
 
     def get_f32(self, name: str) -> np.ndarray:
-        """The tensor as float32; an FP8 weight dequantized without the bf16 rounding (what the
-        packer quantizes from)."""
+        """The tensor as float32; an FP8 or NVFP4 weight dequantized without the bf16 rounding
+        (what the packer quantizes from)."""
         if name in self.fp8:
             return self._dequant(name)
+        if name in self.nvfp4:
+            from loader.quant import dequant_nvfp4
+            q, s, g = self.nvfp4_parts(name)
+            if not np.isfinite(g):
+                raise CheckpointError(f"{self.nvfp4[name][2].file}: {name}_scale_2 is {g}")
+            bad = int(np.count_nonzero((s & 0x7F) == 0x7F))
+            if bad:
+                raise CheckpointError(f"{self.nvfp4[name][1].file}: {name}_scale: {bad} NaN "
+                                      "E4M3 scale(s)")
+            return dequant_nvfp4(q, s, g, 2 * q.shape[1])
         a = self.get(name)
         dt = self.tensors[name].dtype
         if dt == "BF16":

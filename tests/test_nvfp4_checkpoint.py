@@ -1,0 +1,156 @@
+"""NVFP4 checkpoints in ModelOpt's layout (uint8 `weight` of packed E2M1 pairs, F8_E4M3
+`weight_scale` a 16 values, float32 `weight_scale_2`): read directly and packed, against
+transformers on the same weights dequantized by torch (transformers has no ModelOpt reader
+without a GPU); packed into an nvfp4 arena the checkpoint's bytes are kept as they are; bad
+NVFP4 input refused by name."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import engine
+from conftest import assert_greedy, build_hf_model, rel_err
+from engine.names import expert_names
+from loader.arena import ARENA_NAME
+from loader.checkpoint import Checkpoint, CheckpointError
+from loader.layout import ExpertLayout
+from loader.quant import decode_expert_block, quantize_nvfp4
+
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def write_nvfp4(src, dst, drop=None):
+    """The float32 checkpoint in src as a ModelOpt NVFP4 checkpoint in dst (drop: a tensor name
+    left out)."""
+    dst.mkdir()
+    out = {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
+            q, s, g = quantize_nvfp4(w.numpy(), name)
+            out[name] = torch.from_numpy(q)
+            out[name + "_scale"] = torch.from_numpy(s).view(torch.float8_e4m3fn)
+            out[name + "_scale_2"] = torch.tensor(np.float32(g))
+            out[name[:-len("weight")] + "input_scale"] = torch.tensor(0.01)
+        else:
+            out[name] = w.to(torch.bfloat16)
+    for n in [drop] if drop else []:
+        del out[n]
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                  "group_size": 16, "exclude_modules": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / f, dst / f)
+
+
+def torch_dequant(q, s, g):
+    """An independent oracle: E2M1 pairs (low nibble first) * E4M3 scale a 16 * global."""
+    q = q.to(torch.int64)
+    vals = torch.stack([E2M1[q & 0xF], E2M1[q >> 4]], dim=-1).reshape(q.shape[0], -1)
+    return vals * s.float().repeat_interleave(16, 1) * g.float()
+
+
+def dequantized_copy(src, dst, exact_experts=False):
+    """src's weights dequantized into a plain checkpoint: bf16, or the experts' float32 (exact:
+    what an nvfp4 arena holding the checkpoint's bytes computes with)."""
+    dst.mkdir()
+    raw = load_file(src / "model.safetensors")
+    out = {}
+    for name, t in raw.items():
+        if name.endswith(("_scale", "_scale_2", "input_scale")):
+            continue
+        if t.dtype == torch.uint8:
+            t = torch_dequant(t, raw[name + "_scale"], raw[name + "_scale_2"])
+            t = t if exact_experts and ".experts." in name else t.to(torch.bfloat16)
+        out[name] = t
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / f, dst / f)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_model(tmp_path_factory):
+    base = tmp_path_factory.mktemp("nvfp4")
+    build_hf_model(base / "f32", "qwen3_moe")
+    write_nvfp4(base / "f32", base / "nvfp4")
+    dequantized_copy(base / "nvfp4", base / "bf16")
+    dequantized_copy(base / "nvfp4", base / "exact", exact_experts=True)
+    import transformers as tf
+    load = tf.AutoModelForCausalLM.from_pretrained
+    return (base / "nvfp4", load(base / "bf16", dtype=torch.bfloat16).float().eval(),
+            load(base / "exact", dtype=torch.float32).eval())
+
+
+def check_against(ref, m):
+    ids = np.random.default_rng().integers(0, 300, 12)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(m.logits(ids), want) < 1e-4
+    prompt = ids[:5].tolist()
+    assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=24).output_ids, 24)
+
+
+def test_nvfp4_checkpoint_matches_transformers(nvfp4_model):
+    path, ref, _ = nvfp4_model
+    ck = Checkpoint(path)
+    assert ck.nvfp4 and not any(n.endswith(("_scale", "_scale_2", "input_scale"))
+                                for n in ck.tensors)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert ck.info(name).shape == (48, 64) and ck.get(name).shape == (48, 64)
+    check_against(ref, engine.load(path, device="cpu"))
+
+
+def test_nvfp4_packed_keeps_the_bytes(nvfp4_model, tmp_path):
+    from engine.pack import pack
+    path, _, ref = nvfp4_model
+    dst = tmp_path / "packed"
+    manifest = pack(path, dst, experts="nvfp4", progress=False)
+    assert manifest["source_quantization"]["quant_algo"] == "NVFP4"
+    ck = Checkpoint(path)
+    layout = ExpertLayout.build("nvfp4", 48, 32)
+    raw = np.fromfile(dst / ARENA_NAME, np.uint8)
+    rec = next(r for r in manifest["blocks"] if (r["layer"], r["expert"]) == (1, 2))
+    block = raw[rec["offset"]:rec["offset"] + layout.block_bytes]
+    for m, n, got in zip(("gate", "up", "down"), expert_names("qwen3_moe", 1, 2),
+                         decode_expert_block(block, layout)):
+        q, s, g = ck.nvfp4_parts(n)
+        qo, so = getattr(layout, m + "_q"), getattr(layout, m + "_s")
+        assert np.array_equal(block[qo:qo + q.nbytes], q.reshape(-1)), m
+        assert np.array_equal(block[so:so + s.nbytes], s.reshape(-1)), m
+        assert np.array_equal(got, ck.get_f32(n)), m
+    check_against(ref, engine.load(dst, device="cpu"))
+
+
+def test_nvfp4_errors(tmp_path):
+    build_hf_model(tmp_path / "f32", "qwen3_moe")
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    write_nvfp4(tmp_path / "f32", tmp_path / "noglobal", drop=name + "_scale_2")
+    with pytest.raises(CheckpointError, match=f"NVFP4 tensor {name} needs {name}_scale_2.*"
+                                              "missing"):
+        Checkpoint(tmp_path / "noglobal")
+
+    write_nvfp4(tmp_path / "f32", tmp_path / "bad")
+    raw = load_file(tmp_path / "bad" / "model.safetensors")
+    raw[name + "_scale"] = raw[name + "_scale"][:, :1].contiguous()   # one scale a row
+    save_file(raw, tmp_path / "bad" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"{name}_scale has shape \[48, 1\]; expected "
+                                              r"\[48, 2\]"):
+        Checkpoint(tmp_path / "bad")
+
+    cfg = json.loads((tmp_path / "noglobal" / "config.json").read_text())
+    cfg["quantization_config"]["quant_algo"] = "W4A8_AWQ"
+    (tmp_path / "noglobal" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quant_algo is 'W4A8_AWQ'"):
+        Checkpoint(tmp_path / "noglobal")
