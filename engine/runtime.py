@@ -251,6 +251,11 @@ class Engine:
             self.cores = replace(self.cores, readers=None)   # no reader threads
             self.consumed |= ck.require(fam.expert_spec)
             self.experts = CheckpointExperts(ck, c.family, ops)
+            if ck.fp8 or ck.nvfp4:
+                kind = "NVFP4" if ck.nvfp4 else "FP8"
+                print(f"{ck.dir}: {kind} weights are dequantized each time they are read; pack "
+                      f"the folder once for speed (python -m engine.pack {ck.dir} DST)",
+                      file=sys.stderr)
         self.max_context = int(max_context or min(c.max_position, 4096))
         if self.device == "cuda":
             self.model = self._gpu_decoder(fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route,
