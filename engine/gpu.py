@@ -33,8 +33,9 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
     # attention scratch: a chunk of t queries gets t times fewer pieces than one decode query
     # (alloc_partials), and the one-token buffers of the decode graphs are kept beside it
     pieces = t * num_splits(max_context, t=t) + num_splits(max_context)
+    dense_mlp = 2 * c.dense_intermediate if len(c.moe_layers) < c.n_layers else 0
     return 4 * (t * (5 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts
-                     + 2 * c.shared_intermediate)
+                     + 2 * c.shared_intermediate + dense_mlp)
                 + t * c.top_k * (c.moe_intermediate + c.hidden) + c.vocab_size * 2
                 + c.n_heads * pieces * (c.head_dim + 2))
 
@@ -471,13 +472,15 @@ class GpuDecoder:
             self._topk(l, b.rl, b.ids, b.w)
             b.ids[0].copy_to_host(self.ids_all_h[l], stream=cs)
         nl = self.next_moe[l]
-        if self.speculate and nl is not None and not self.plan.all_resident:
+        if self.speculate and nl is not None and not self.plan.all_resident \
+                and nl not in self._dslot:   # (a streamed layer's router may not be in yet)
             # the next MoE layer's router on this layer's input: its experts can start copying
             # while this layer computes
             self._linear(self.w("router", nl), b.h, self.rl_spec)
             self._topk(nl, self.rl_spec, self.ids_spec, self.w_spec)
             self.ids_spec[0].copy_to_host(self.spec_h[nl], stream=cs)
-        self._shared_expert(l, b, 1)
+        if device_ids:   # the streamed path runs it as a segment of its own, behind the ids
+            self._shared_expert(l, b, 1)
 
     def _seg_experts(self, l, device_slots: bool):
         """device_slots: slots_d[l] was filled on the device by the router (_seg_layer_dense with
@@ -560,6 +563,8 @@ class GpuDecoder:
             segs = {"embed": lambda s: self._seg_embed(), "head": lambda s: self._seg_head()}
             for l in range(c.n_layers):
                 segs[("dense", l)] = lambda s, l=l: self._seg_layer_dense(l, st)
+                if l in c.moe_layers and c.shared_intermediate:
+                    segs[("shared", l)] = lambda s, l=l: self._shared_expert(l, self.one, 1)
                 if l in c.moe_layers:
                     segs[("experts", l)] = lambda s, l=l: self._seg_experts(l, False)
         segs["logits"] = lambda s: self._seg_logits()
@@ -596,6 +601,8 @@ class GpuDecoder:
                     continue
                 ev_dense, ev_copy = self._events[l]
                 ev_dense.record(cs)
+                if ("shared", l) in g:   # the shared expert computes while the host resolves
+                    g[("shared", l)].launch(cs)
                 ev_dense.synchronize()
                 ids = np.array(self.ids_all_h[l:l + 1])
                 if self.route_override is not None:
@@ -711,8 +718,9 @@ class GpuDecoder:
             gs.router_topk(rl, c.norm_topk_prob, ids, w, self.cs, slots=slots)
 
     def _shared_expert(self, l, b, t):
-        """x += SwiGLU_shared(h), h = the MoE input (b.h after the router); in the dense segment
-        after the router (the routed experts add theirs after the host's resolve)."""
+        """x += SwiGLU_shared(h), h = the MoE input (b.h after the router): in the all-resident
+        token graph after the router; on the streamed path a graph segment of its own behind the
+        ids' event (it computes while the host resolves); eager, after the ids' sync."""
         c, cs = self.c, self.cs
         if not c.shared_intermediate:
             return

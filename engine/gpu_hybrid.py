@@ -13,8 +13,8 @@ What changes against GpuDecoder, and why it keeps its decode step (graphs, strea
   recurrent state [Ll, Nv, Dk, Dv] float32, zeroed per request (no allocation).
 - the gated delta rule: the token scan at decode (graph-captured) and for short prefill chunks,
   the chunked kernel for prefill chunks of chunked_min_t tokens and more (the same recurrence).
-- the shared expert runs in the dense segment right after the router and adds into the residual,
-  so the per-layer graph segments (dense | experts) stay as they are.
+- the shared expert is the base decoder's (GpuDecoder._shared_expert) with its sigmoid gate
+  applied in _shared_out; it adds into the residual.
 - graph capture runs every segment once for real: the recurrent state is saved before and put
   back after, since unlike the KV cache it has no unused row to absorb the warm-up.
 Legend: T = tokens, H = hidden, D = attention head dim, Hq / Hkv = attention heads,

@@ -260,10 +260,10 @@ def _make_router_sigmoid(SLOTS):
                         b1 = v
                     elif v > b2:
                         b2 = v
-                gsum[lane] = b1 + b2
+                gsum[lane] = b1 + (b2 if per > 1 else float32(0.0))
             cuda.syncthreads()
-            if lane == 0:   # keep the best topk_group groups: the others' sums become NaN
-                for g in range(n_group):
+            if lane == 0:   # keep the best topk_group groups: red_i[g] = 1 (warp_argmax reuses
+                for g in range(n_group):   # red_i only after the barrier below)
                     red_i[g] = 0
                 for _ in range(topk_group):
                     bg = int32(-1)
@@ -271,12 +271,9 @@ def _make_router_sigmoid(SLOTS):
                         if red_i[g] == 0 and (bg < 0 or gsum[g] > gsum[bg]):
                             bg = g
                     red_i[bg] = 1
-                for g in range(n_group):
-                    if red_i[g] == 0:
-                        gsum[g] = NEG_INF
             cuda.syncthreads()
             for e in range(lane, E, WARP):
-                if gsum[e // per] == NEG_INF:
+                if red_i[e // per] == 0:
                     key[e] = NEG_INF
             cuda.syncthreads()
         tot = float32(0.0)

@@ -191,11 +191,17 @@ class Checkpoint:
 
     def nvfp4_parts(self, name: str) -> tuple | None:
         """An NVFP4 weight as stored: (values uint8 [N, K / 2], block scales uint8 [N, K / 16]
-        E4M3 bits, global scale float); None for any other tensor."""
+        E4M3 bits, global scale float), its scales checked finite; None for any other tensor."""
         if name not in self.nvfp4:
             return None
         t, sc, g = self.nvfp4[name]
-        return self._stored(t), self._stored(sc), float(self._stored(g).reshape(-1)[0])
+        q, s, gv = self._stored(t), self._stored(sc), float(self._stored(g).reshape(-1)[0])
+        if not np.isfinite(gv):
+            raise CheckpointError(f"{g.file}: {g.name} is {gv}, expected a finite global scale")
+        bad = int(np.count_nonzero((s & 0x7F) == 0x7F))
+        if bad:
+            raise CheckpointError(f"{sc.file}: {sc.name}: {bad} NaN E4M3 scale(s)")
+        return q, s, gv
 
     def _quant_config(self, cfg_path: Path) -> list | None:
         """Refuses the quantization methods and formats the engine does not read; returns the
@@ -203,17 +209,21 @@ class Checkpoint:
         qc = self.config.get("quantization_config") or {}
         method = qc.get("quant_method")
         if method == "modelopt":   # NVIDIA ModelOpt: NVFP4 (_find_nvfp4) or FP8 a tensor
-            algo = str(qc.get("quant_algo", "")).upper()
+            algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")
+                       or "").upper()
             if algo not in ("NVFP4", "FP8"):
                 raise CheckpointError(f"{cfg_path}: quantization_config.quant_algo is {algo!r}; "
                                       "the engine reads ModelOpt NVFP4 and FP8 checkpoints")
             return None
         if method == "compressed-tensors":   # FP8 only: 8-bit float weights, scale a channel/tensor/block
             block = None
+            if qc.get("format") not in ("float-quantized", "naive-quantized"):
+                raise CheckpointError(
+                    f"{cfg_path}: quantization_config.format is {qc.get('format')!r}; the engine "
+                    "reads compressed-tensors checkpoints in 'float-quantized' format only")
             for gname, g in (qc.get("config_groups") or {}).items():
                 w = g.get("weights") or {}
-                if (w.get("num_bits"), w.get("type")) != (8, "float") or \
-                        qc.get("format") not in ("float-quantized", "naive-quantized"):
+                if (w.get("num_bits"), w.get("type")) != (8, "float"):
                     raise CheckpointError(
                         f"{cfg_path}: quantization_config.config_groups.{gname}.weights is "
                         f"{w.get('num_bits')}-bit {w.get('type')} ({qc.get('format')}); the engine "
@@ -346,12 +356,6 @@ class Checkpoint:
         if name in self.nvfp4:
             from loader.quant import dequant_nvfp4
             q, s, g = self.nvfp4_parts(name)
-            if not np.isfinite(g):
-                raise CheckpointError(f"{self.nvfp4[name][2].file}: {name}_scale_2 is {g}")
-            bad = int(np.count_nonzero((s & 0x7F) == 0x7F))
-            if bad:
-                raise CheckpointError(f"{self.nvfp4[name][1].file}: {name}_scale: {bad} NaN "
-                                      "E4M3 scale(s)")
             return dequant_nvfp4(q, s, g, 2 * q.shape[1])
         a = self.get(name)
         dt = self.tensors[name].dtype

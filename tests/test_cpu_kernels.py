@@ -88,7 +88,7 @@ def test_router_topk(e, k, norm):
 
 @pytest.mark.parametrize("e,k,groups,top_groups,norm,scale", [
     (8, 2, 1, 1, True, 1.0), (16, 3, 4, 2, True, 2.5), (12, 4, 3, 3, False, 1.0),
-    (32, 8, 8, 4, True, 1.5), (6, 6, 2, 2, False, 0.5)])
+    (32, 8, 8, 4, True, 1.5), (6, 6, 2, 2, False, 0.5), (8, 3, 8, 4, True, 1.0)])
 def test_router_sigmoid_topk(e, k, groups, top_groups, norm, scale):
     logits = rng.standard_normal((7, e)).astype(np.float32) * 2
     bias = (rng.standard_normal(e) * 0.3).astype(np.float32)

@@ -579,6 +579,7 @@ def run_sim_checks() -> None:
     check_router_sampling(rng, t=2, e=10, k=3, vocab=50)
     check_router_sigmoid(rng, t=2, e=16, k=3, n_group=4, topk_group=2)
     check_router_sigmoid(rng, t=1, e=40, k=6, n_group=1, topk_group=1)   # two keys a lane
+    check_router_sigmoid(rng, t=2, e=8, k=3, n_group=8, topk_group=4)    # one expert a group
     print(f"ok router/sampling {time.time() - t0:.0f}s", flush=True)
     print("SIM CHECKS PASSED", flush=True)
 

@@ -208,8 +208,19 @@ def test_fp8_errors(tmp_path):
                                   "config_groups": {"group_0": {"weights": {"num_bits": 4,
                                                                             "type": "int"}}}}
     (tmp_path / "grid" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="config_groups.group_0.weights is 4-bit int "
-                                              r"\(pack-quantized\)"):
+    with pytest.raises(CheckpointError, match="quantization_config.format is 'pack-quantized'"):
+        Checkpoint(tmp_path / "grid")
+    cfg["quantization_config"]["format"] = "float-quantized"
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "float"
+    (tmp_path / "grid" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config_groups.group_0.weights is 4-bit float "
+                                              r"\(float-quantized\)"):
+        Checkpoint(tmp_path / "grid")
+
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mixed-precision",
+                                  "config_groups": {}}
+    (tmp_path / "grid" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quantization_config.format is 'mixed-precision'"):
         Checkpoint(tmp_path / "grid")
 
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}

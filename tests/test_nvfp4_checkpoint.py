@@ -149,6 +149,23 @@ def test_nvfp4_errors(tmp_path):
                                               r"\[48, 2\]"):
         Checkpoint(tmp_path / "bad")
 
+    # ModelOpt's older hf_quant_config shape (quant_algo nested under "quantization") reads too
+    write_nvfp4(tmp_path / "f32", tmp_path / "nested")
+    cfg = json.loads((tmp_path / "nested" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt",
+                                  "quantization": {"quant_algo": "NVFP4", "group_size": 16}}
+    (tmp_path / "nested" / "config.json").write_text(json.dumps(cfg))
+    assert Checkpoint(tmp_path / "nested").nvfp4
+
+    # a NaN block scale: refused when read or packed, naming the tensor
+    raw = load_file(tmp_path / "nested" / "model.safetensors")
+    bad = raw[name + "_scale"].view(torch.uint8).clone()
+    bad[3, 1] = 0xFF
+    raw[name + "_scale"] = bad.view(torch.float8_e4m3fn)
+    save_file(raw, tmp_path / "nested" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{name}_scale: 1 NaN E4M3 scale"):
+        Checkpoint(tmp_path / "nested").nvfp4_parts(name)
+
     cfg = json.loads((tmp_path / "noglobal" / "config.json").read_text())
     cfg["quantization_config"]["quant_algo"] = "W4A8_AWQ"
     (tmp_path / "noglobal" / "config.json").write_text(json.dumps(cfg))

@@ -69,3 +69,19 @@ def test_bf16_checkpoint(tmp_path, family):
         want = ref(torch.tensor(ids)[None]).logits[0].numpy()
     assert rel_err(m.logits(ids), want) < 1e-4
     assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=32).output_ids, 32)
+
+
+def test_glm4_config_refusals(tmp_path):
+    """A top-k the kept expert groups cannot fill, and more than 32 groups: refused by name."""
+    import json
+
+    from engine.models import family_of
+    from engine.models.rope import ConfigError
+    build_hf_model(tmp_path, "glm4_moe", n_routed_experts=16, n_group=4, topk_group=1,
+                   num_experts_per_tok=4)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    family_of(cfg)                                   # 4 of the 4 kept: fine
+    with pytest.raises(ConfigError, match="num_experts_per_tok=6 exceeds the 4 experts"):
+        family_of({**cfg, "num_experts_per_tok": 6})
+    with pytest.raises(ConfigError, match="n_group=64; at most 32"):
+        family_of({**cfg, "n_routed_experts": 128, "n_group": 64, "topk_group": 4})

@@ -27,7 +27,14 @@ class Glm4MoeConfig(MoeConfig):
                               f"{f['n_experts']} and topk_group={topk_group} be in 1..{n_group}")
         if n_group > 1 and f["n_experts"] // n_group < 2:
             raise ConfigError(f"config.json: n_group={n_group} leaves fewer than 2 experts a group")
-        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        if n_group > 32:
+            raise ConfigError(f"config.json: n_group={n_group}; at most 32 expert groups")
+        kept = topk_group * (f["n_experts"] // n_group)
+        if f["top_k"] > kept:
+            raise ConfigError(f"config.json: num_experts_per_tok={f['top_k']} exceeds the {kept} "
+                              f"experts of the topk_group={topk_group} groups kept")
+        # defaults as the reference's (a config without these fields)
+        first_dense = int(cfg.get("first_k_dense_replace", 1))
         f["moe_layers"] = tuple(range(first_dense, f["n_layers"]))
         moe_i = int(need(cfg, "moe_intermediate_size"))
         n_mtp = int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_layers") or 0)
@@ -39,7 +46,7 @@ class Glm4MoeConfig(MoeConfig):
                    qk_norm="head" if cfg.get("use_qk_norm") else "none",
                    routing="sigmoid", n_group=n_group, topk_group=topk_group,
                    routed_scale=float(cfg.get("routed_scaling_factor") or 1.0),
-                   shared_intermediate=moe_i * int(cfg.get("n_shared_experts") or 0),
+                   shared_intermediate=moe_i * int(cfg.get("n_shared_experts", 1) or 0),
                    ignored_parts=mtp)
 
 
