@@ -16,6 +16,7 @@ from numba import cuda
 
 from engine.models.base import check_room
 from kernels_numba import gpu_attention as ga
+from kernels_numba import gpu_deltanet as gdn
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_experts as gx
 from kernels_numba import gpu_misc as gm
@@ -35,7 +36,7 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
     pieces = t * num_splits(max_context, t=t) + num_splits(max_context)
     dense_mlp = 2 * c.dense_intermediate if len(c.moe_layers) < c.n_layers else 0
     return 4 * (t * (5 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts
-                     + 2 * c.shared_intermediate + dense_mlp)
+                     + 2 * c.shared_intermediate + 1 + dense_mlp)
                 + t * c.top_k * (c.moe_intermediate + c.hidden) + c.vocab_size * 2
                 + c.n_heads * pieces * (c.head_dim + 2))
 
@@ -81,6 +82,8 @@ class Buffers:
         if c.shared_intermediate:
             self.sg = cuda.device_array((t, c.shared_intermediate), f)     # [T, Is]
             self.su = cuda.device_array((t, c.shared_intermediate), f)
+            if c.shared_gated:
+                self.sgate = cuda.device_array((t, 1), f)                  # [T, 1]
         # host staging (pinned): ids and weights back from the device, slot tables out
         self.ids_h = cuda.pinned_array((t, c.top_k), np.int32)
         self.w_h = cuda.pinned_array((t, c.top_k), f)
@@ -731,8 +734,16 @@ class GpuDecoder:
         self._shared_out(l, b, t, g)
 
     def _shared_out(self, l, b, t, g):
-        """x += g @ shared_down^T (the hybrid families gate it first)."""
-        self._linear_add(self.w("shared_down", l), g, b.o[:t], b.x[:t])
+        """x += g @ shared_down^T, times sigmoid(h . shared_expert_gate) when gated."""
+        if not self.c.shared_gated:
+            self._linear_add(self.w("shared_down", l), g, b.o[:t], b.x[:t])
+            return
+        cs, o = self.cs, b.o[:t]
+        self._linear(self.w("shared_down", l), g, o)
+        self._linear(self.w("shared_expert_gate", l), b.h[:t], b.sgate[:t])
+        gdn.sigmoid_gate(o, b.sgate[:t], cs)
+        x = b.x[:t]
+        gd.add(x.reshape(-1), o.reshape(-1), x.reshape(-1), cs)
 
     def _route(self, l, b, t):
         """Router on the device; ids and weights to the host (the one sync of the layer); then

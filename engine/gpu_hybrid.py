@@ -13,8 +13,7 @@ What changes against GpuDecoder, and why it keeps its decode step (graphs, strea
   recurrent state [Ll, Nv, Dk, Dv] float32, zeroed per request (no allocation).
 - the gated delta rule: the token scan at decode (graph-captured) and for short prefill chunks,
   the chunked kernel for prefill chunks of chunked_min_t tokens and more (the same recurrence).
-- the shared expert is the base decoder's (GpuDecoder._shared_expert) with its sigmoid gate
-  applied in _shared_out; it adds into the residual.
+- the shared expert is the base decoder's (GpuDecoder._shared_expert, gated: shared_gated).
 - graph capture runs every segment once for real: the recurrent state is saved before and put
   back after, since unlike the KV cache it has no unused row to absorb the warm-up.
 Legend: T = tokens, H = hidden, D = attention head dim, Hq / Hkv = attention heads,
@@ -116,7 +115,7 @@ def state_bytes(c, max_context: int) -> int:
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
     """GpuDecoder's activations for t tokens plus the hybrid ones (HybridBuffers)."""
-    extra = c.q_dim + 2 * c.lin_v_heads + 2 * c.value_dim + c.conv_dim + 1   # (shared: base)
+    extra = c.q_dim + 2 * c.lin_v_heads + 2 * c.value_dim + c.conv_dim   # (shared: base)
     return _base_run_state_bytes(c, t, max_context) + 4 * (t * extra + 2 * c.q_dim + 2 * c.kv_dim)
 
 
@@ -137,8 +136,6 @@ class HybridBuffers(Buffers):
             self.qkvz = cuda.device_array((t, c.conv_dim + c.value_dim), f)  # [T, C + Nv Dv]
             self.ba = cuda.device_array((t, 2 * c.lin_v_heads), f)           # [T, 2 Nv]
             self.dn = cuda.device_array((t, c.value_dim), f)                 # [T, Nv Dv]
-        if c.shared_intermediate:   # (its sg, su: Buffers)
-            self.sgate = cuda.device_array((t, 1), f)                        # [T, 1]
 
 
 class GpuHybridState:
@@ -242,17 +239,6 @@ class GpuHybridDecoder(GpuDecoder):
         gdn.rmsnorm_gated(o, z, self.w("dn_norm", l), c.rms_eps, o, cs)
         self._linear(self.w("dn_out", l), o, b.o[:t])
         gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)
-
-    # ---- shared expert ---------------------------------------------------------------------
-
-    def _shared_out(self, l, b, t, g):
-        """x += sigmoid(h . w_gate) * (g @ shared_down^T), h = the MoE input (b.h)."""
-        cs, o = self.cs, b.o[:t]
-        self._linear(self.w("shared_down", l), g, o)
-        self._linear(self.w("shared_expert_gate", l), b.h[:t], b.sgate[:t])
-        gdn.sigmoid_gate(o, b.sgate[:t], cs)
-        x = b.x[:t]
-        gd.add(x.reshape(-1), o.reshape(-1), x.reshape(-1), cs)
 
     # ---- graphs ----------------------------------------------------------------------------
 

@@ -61,8 +61,13 @@ _GLM4_MOE = {
     "shared_down": "model.layers.{l}.mlp.shared_experts.down_proj.weight",
 }
 
+# Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): a sigmoid-gated shared expert, the hybrids' names.
+_QWEN2_MOE = {**_LLAMA_LIKE, **{k: _HYBRID[k] for k in ("shared_gate", "shared_up", "shared_down",
+                                                        "shared_expert_gate")}}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
+    "qwen2_moe": _QWEN2_MOE,
     "olmoe": _LLAMA_LIKE,
     "mixtral": {
         **_LLAMA_LIKE,

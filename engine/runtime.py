@@ -161,7 +161,8 @@ def _dense_keys(c):
     if c.qk_norm != "none":
         per += ["q_norm", "k_norm"]
     moe = ["router"] + (["router_bias"] if c.routing == "sigmoid" else []) + \
-        (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else [])
+        (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else []) + \
+        (["shared_expert_gate"] if c.shared_intermediate and c.shared_gated else [])
     for l in range(c.n_layers):
         keys += [(k, l) for k in per]
         keys += [(k, l) for k in (moe if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
@@ -198,8 +199,8 @@ def cuda_status() -> tuple[bool, str]:
         return False, f"CUDA unavailable ({type(e).__name__}: {e})"
 
 
-GPU_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "qwen3_5_moe",
-                "qwen3_5_moe_text")
+GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next",
+                "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def pick_device(device: str, family: str) -> str:

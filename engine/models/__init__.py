@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import glm4_moe, mixtral, olmoe, qwen3_5_moe, qwen3_moe, qwen3_next
+from engine.models import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 from engine.models.rope import ConfigError
 
 FAMILIES = {
     "qwen3_moe": qwen3_moe,
+    "qwen2_moe": qwen2_moe,
     "mixtral": mixtral,
     "olmoe": olmoe,
     "glm4_moe": glm4_moe,

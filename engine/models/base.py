@@ -50,7 +50,8 @@ class MoeConfig:
     n_group: int = 1                #   a selection bias, the best topk_group of n_group groups,
     topk_group: int = 1             #   weights times routed_scale)
     routed_scale: float = 1.0
-    shared_intermediate: int = 0    # I of the ungated shared expert(s) beside the routed ones
+    shared_intermediate: int = 0    # I of the shared expert(s) beside the routed ones (0 = none)
+    shared_gated: bool = False      # its output times sigmoid(h . shared_expert_gate)
     eos_token_ids: tuple = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -124,6 +125,8 @@ def dense_spec(c: MoeConfig) -> dict[str, tuple]:
                 spec[name(f, "shared_gate", l)] = (c.shared_intermediate, h)
                 spec[name(f, "shared_up", l)] = (c.shared_intermediate, h)
                 spec[name(f, "shared_down", l)] = (h, c.shared_intermediate)
+                if c.shared_gated:
+                    spec[name(f, "shared_expert_gate", l)] = (1, h)
         else:
             spec[name(f, "mlp_gate", l)] = (c.dense_intermediate, h)
             spec[name(f, "mlp_up", l)] = (c.dense_intermediate, h)
@@ -240,6 +243,9 @@ class MoeDecoder:
         return out
 
     def shared_expert(self, l: int, h):
-        """The shared expert beside the routed ones (ungated here; the hybrid families gate it)."""
-        w = self.w
-        return self.ops.expert(h, (w("shared_gate", l), w("shared_up", l), w("shared_down", l)))
+        """The shared expert beside the routed ones, sigmoid-gated when c.shared_gated."""
+        w, ops = self.w, self.ops
+        sh = ops.expert(h, (w("shared_gate", l), w("shared_up", l), w("shared_down", l)))
+        if self.c.shared_gated:
+            ops.deltanet.sigmoid_gate_(sh, ops.linear(h, w("shared_expert_gate", l)))  # gate [T, 1]
+        return sh

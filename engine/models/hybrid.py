@@ -28,7 +28,7 @@ class HybridConfig(MoeConfig):
     lin_k_dim: int = 0              # Dk
     lin_v_dim: int = 0              # Dv
     conv_kernel: int = 0            # Kc: causal depthwise conv over the q, k, v channels
-    shared_intermediate: int = 0    # I of the shared expert beside the routed ones (0 = none)
+    shared_gated: bool = True       # the shared expert's sigmoid gate (base.MoeConfig)
     fused_qkvz: bool = False        # Qwen3-Next: in_proj_qkvz / in_proj_ba grouped per key head
     ignored_parts: tuple = ()       # ((tensor-name prefix, what it is), ...): checkpoint parts not loaded
 
@@ -254,8 +254,3 @@ class HybridDecoder(MoeDecoder):
         o = dn.rmsnorm_gated(o, z.reshape(t, nv, c.lin_v_dim), w("dn_norm", l), c.rms_eps)
         return ops.linear(o.reshape(t, vd), w("dn_out", l))
 
-    def shared_expert(self, l: int, h):
-        """The shared expert, sigmoid-gated (base.moe adds it to the routed experts' sum)."""
-        sh = super().shared_expert(l, h)
-        self.dn.sigmoid_gate_(sh, self.ops.linear(h, self.w("shared_expert_gate", l)))  # gate [T, 1]
-        return sh

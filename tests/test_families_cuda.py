@@ -1,10 +1,11 @@
-"""glm4_moe on the cuda backend (sigmoid routing with a selection bias, ungated shared experts,
-partial RoPE with per-head q/k norms, q/k/v biases, a first dense layer).
+"""The llama-like families whose pieces only they use, on the cuda backend: glm4_moe (sigmoid
+routing with a selection bias, ungated shared experts, partial RoPE with per-head q/k norms,
+q/k/v biases, a first dense layer) and qwen2_moe (a sigmoid-gated shared expert, q/k/v biases).
 - CPU-only CI: test_simulator_decoder() runs this file as a script in a subprocess with
   NUMBA_ENABLE_CUDASIM=1: the eager decoder against the CPU backend on a tiny model.
 - A GPU (marker gpu): cuda = cpu = transformers, graph replay = eager, streamed under tiny
   budgets = all resident.
-Run the simulator check directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_glm4_cuda.py MODEL_DIR
+Run the simulator check directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_families_cuda.py MODEL_DIR
 """
 from __future__ import annotations
 
@@ -26,15 +27,21 @@ from conftest import (assert_greedy, build_hf_model, check_graph_replay_equals_e
                       eager_decoder_matches_cpu, hf_reference, rel_err)
 
 TINY = dict(vocab_size=24, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=8, moe_intermediate_size=8, intermediate_size=8, n_routed_experts=4,
-            num_experts_per_tok=2, n_group=2, topk_group=1, use_qk_norm=True,
-            routed_scaling_factor=1.5, num_hidden_layers=2)
+            moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
+            num_hidden_layers=2)
+SIM_CASES = {
+    # layer 0 dense, layer 1 routed (4 experts in 2 groups, one kept) + shared expert
+    "glm4_moe": dict(TINY, head_dim=8, n_routed_experts=4, n_group=2, topk_group=1,
+                     use_qk_norm=True, routed_scaling_factor=1.5),
+    # layer 0 dense, layer 1 routed + gated shared expert
+    "qwen2_moe": dict(TINY, num_experts=4, shared_expert_intermediate_size=8, mlp_only_layers=[0]),
+}
 
 
-def test_simulator_decoder(tmp_path):
-    # layer 0 dense, layer 1 routed (4 experts in 2 groups, one kept) + shared expert; bf16, as
-    # the cuda backend builds bf16 expert blocks from a checkpoint
-    build_hf_model(tmp_path, "glm4_moe", dtype="bfloat16", **TINY)
+@pytest.mark.parametrize("family", sorted(SIM_CASES))
+def test_simulator_decoder(tmp_path, family):
+    # bf16, as the cuda backend builds bf16 expert blocks from a checkpoint
+    build_hf_model(tmp_path, family, dtype="bfloat16", **SIM_CASES[family])
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     r = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True,
@@ -45,14 +52,18 @@ def test_simulator_decoder(tmp_path):
 # ---- real GPU -------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("over", [{}, dict(n_group=4, topk_group=2, num_experts_per_tok=3,
-                                             use_qk_norm=True, first_k_dense_replace=0,
-                                             routed_scaling_factor=2.5, n_shared_experts=2)])
-def test_cuda_matches_cpu_and_transformers(tmp_path, over):
+@pytest.mark.parametrize("family,over", [
+    ("glm4_moe", {}),
+    ("glm4_moe", dict(n_group=4, topk_group=2, num_experts_per_tok=3, use_qk_norm=True,
+                      first_k_dense_replace=0, routed_scaling_factor=2.5, n_shared_experts=2)),
+    ("qwen2_moe", {}),
+    ("qwen2_moe", dict(mlp_only_layers=[1], qkv_bias=False, norm_topk_prob=True)),
+])
+def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     import torch
 
     import engine
-    build_hf_model(tmp_path, "glm4_moe", dtype="bfloat16", **over)
+    build_hf_model(tmp_path, family, dtype="bfloat16", **over)
     ref = hf_reference(tmp_path)
     ids = np.random.default_rng().integers(0, 300, 12).tolist()
     g = engine.load(tmp_path, device="cuda")
@@ -66,12 +77,15 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, over):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
-def test_graph_replay_and_streaming(tmp_path, resident):
-    """Graph replay = eager, resident or streamed (the router's slot path and the host
-    resolve), then the streamed tokens equal the all-resident ones."""
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe"])
+def test_graph_replay_and_streaming(tmp_path, family, resident):
+    """Graph replay = eager = the CPU backend, resident (one graph a token, the router's slot
+    path) or streamed (per-layer segments, the shared expert's own, the host resolve)."""
     from engine.pack import pack
-    build_hf_model(tmp_path / "src", "glm4_moe", n_routed_experts=16, num_experts_per_tok=4,
-                   n_group=4, topk_group=2, num_hidden_layers=3, hidden_size=64)
+    over = dict(n_routed_experts=16, n_group=4, topk_group=2) if family == "glm4_moe" else \
+        dict(num_experts=16)
+    build_hf_model(tmp_path / "src", family, num_experts_per_tok=4, num_hidden_layers=3,
+                   hidden_size=64, **over)
     pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
     prompt = np.random.default_rng().integers(0, 300, 20).tolist()
     check_graph_replay_equals_eager(tmp_path / "p", prompt, resident)
