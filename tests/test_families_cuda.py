@@ -30,9 +30,11 @@ TINY = dict(vocab_size=24, hidden_size=16, num_attention_heads=2, num_key_value_
             moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
             num_hidden_layers=2)
 SIM_CASES = {
-    # layer 0 dense, layer 1 routed (4 experts in 2 groups, one kept) + shared expert
+    # layer 0 dense, layer 1 routed (4 experts in 2 groups, one kept) + shared expert; no q/k
+    # norms (GLM-4.5-Air's setting): partial RoPE through the plain rope kernel (the hybrid
+    # check covers it fused with the norms)
     "glm4_moe": dict(TINY, head_dim=8, n_routed_experts=4, n_group=2, topk_group=1,
-                     use_qk_norm=True, routed_scaling_factor=1.5),
+                     use_qk_norm=False, routed_scaling_factor=1.5),
     # layer 0 dense, layer 1 routed + gated shared expert
     "qwen2_moe": dict(TINY, num_experts=4, shared_expert_intermediate_size=8, mlp_only_layers=[0]),
 }
