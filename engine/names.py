@@ -51,9 +51,9 @@ _HYBRID = {
     "dn_out": "model.layers.{l}.linear_attn.out_proj.weight",
 }
 
-# GLM-4.5 (and the DeepSeek-V3 routing it shares): a selection bias beside the router, ungated
-# shared experts.
-_GLM4_MOE = {
+# DeepSeek-V3's MoE names (GLM-4.5, dots.llm1): a selection bias beside the router, ungated shared
+# experts.
+_SIGMOID_MOE = {
     **_LLAMA_LIKE,
     "router_bias": "model.layers.{l}.mlp.gate.e_score_correction_bias",
     "shared_gate": "model.layers.{l}.mlp.shared_experts.gate_proj.weight",
@@ -76,7 +76,8 @@ NAMES: dict[str, dict[str, str]] = {
         "expert_up": "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
         "expert_down": "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
     },
-    "glm4_moe": _GLM4_MOE,
+    "glm4_moe": _SIGMOID_MOE,
+    "dots1": _SIGMOID_MOE,
     "qwen3_next": _HYBRID,
     "qwen3_5_moe_text": _HYBRID,
     # the image-text wrapper (Qwen3_5MoeForConditionalGeneration): its language model, under

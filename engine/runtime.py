@@ -199,7 +199,7 @@ def cuda_status() -> tuple[bool, str]:
         return False, f"CUDA unavailable ({type(e).__name__}: {e})"
 
 
-GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next",
+GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1", "qwen3_next",
                 "qwen3_5_moe", "qwen3_5_moe_text")
 
 

@@ -51,6 +51,11 @@ def hf_config(family: str, **over):
                   num_experts_per_tok=2, shared_expert_intermediate_size=40)
         kw.pop("head_dim")
         cls = tf.Qwen2MoeConfig
+    elif family == "dots1":
+        kw.update(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                  num_hidden_layers=3)
+        cls = tf.Dots1Config
     elif family == "glm4_moe":
         kw.update(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
@@ -91,7 +96,7 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
     torch.manual_seed(np.random.default_rng(seed).integers(1 << 31))
     cls = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
            "olmoe": tf.OlmoeForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
-           "qwen2_moe": tf.Qwen2MoeForCausalLM}[family]
+           "qwen2_moe": tf.Qwen2MoeForCausalLM, "dots1": tf.Dots1ForCausalLM}[family]
     model = cls(cfg)
     widen_init(model)
     with torch.no_grad():   # a buffer, not a parameter: a selection bias that matters

@@ -1,6 +1,7 @@
 """The llama-like families whose pieces only they use, on the cuda backend: glm4_moe (sigmoid
 routing with a selection bias, ungated shared experts, partial RoPE with per-head q/k norms,
-q/k/v biases, a first dense layer) and qwen2_moe (a sigmoid-gated shared expert, q/k/v biases).
+q/k/v biases, a first dense layer), dots1 (the same MoE beside Qwen3's attention) and qwen2_moe
+(a sigmoid-gated shared expert, q/k/v biases).
 - CPU-only CI: test_simulator_decoder() runs this file as a script in a subprocess with
   NUMBA_ENABLE_CUDASIM=1: the eager decoder against the CPU backend on a tiny model.
 - A GPU (marker gpu): cuda = cpu = transformers, graph replay = eager, streamed under tiny
@@ -60,6 +61,7 @@ def test_simulator_decoder(tmp_path, family):
                       first_k_dense_replace=0, routed_scaling_factor=2.5, n_shared_experts=2)),
     ("qwen2_moe", {}),
     ("qwen2_moe", dict(mlp_only_layers=[1], qkv_bias=False, norm_topk_prob=True)),
+    ("dots1", dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.0)),
 ])
 def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     import torch

@@ -28,6 +28,9 @@ CASES = [
                       routed_scaling_factor=2.5, first_k_dense_replace=0, attention_bias=False,
                       partial_rotary_factor=0.25, n_shared_experts=2)),
     ("glm4_moe", dict(norm_topk_prob=False, n_shared_experts=0, tie_word_embeddings=True)),
+    ("dots1", {}),
+    ("dots1", dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.0,
+                   first_k_dense_replace=0, n_shared_experts=2)),
     ("olmoe", {}),
     ("olmoe", dict(norm_topk_prob=True, clip_qkv=0.5, num_key_value_heads=4)),
 ]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from engine.models import (dots1, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe,
+                           qwen3_next)
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -17,6 +18,7 @@ FAMILIES = {
     "mixtral": mixtral,
     "olmoe": olmoe,
     "glm4_moe": glm4_moe,
+    "dots1": dots1,
     "qwen3_next": qwen3_next,
     "qwen3_5_moe": qwen3_5_moe,          # the image-text wrapper: its language model
     "qwen3_5_moe_text": qwen3_5_moe,     # a text-only Qwen3.5-MoE folder
