@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The gpu tests on the GPU machine in one call of the device tool (10 minutes at most), logs in $OUT.
 # usage (device tool, carry [".whl"]): bash tools/gpu_session.sh GROUP
-#   a: tests/test_gpu_engine.py beside tests/test_gpu_hybrid.py then tests/test_fused_norm.py
-#      (238 s without the fused norm tests, which take 195 s alone, on 2026-12-01)
+#   a: tests/test_gpu_engine.py then tests/test_families_cuda.py (new, duration unknown) beside
+#      tests/test_gpu_hybrid.py then tests/test_fused_norm.py (engine 227 s, hybrid 238 s,
+#      fused norm 195 s alone, on 2026-12-01)
 #   b: tests/test_cuda_kernels.py's per-token expert tests (every sweep variant at three real
 #      shapes) beside its dense / sampling tests and tests/test_graphs.py
-#   c: the grouped (prefill) expert tests beside tests/test_attention_decode.py then
-#      tests/test_families_cuda.py (b: 431 s; c's grouped tests 453 s)
+#   c: the grouped (prefill) expert tests beside tests/test_attention_decode.py
+#      (b: 431 s; c's grouped tests 453 s)
 # Both or all three of a group's processes run side by side: numba compiles on the CPU, so more
 # than two or three at once slow each other down (four side by side each ran past 250 s on
 # 2026-11-30; on 2026-12-01 b's two halves beside a third process each passed 331 s unfinished,
@@ -26,14 +27,13 @@ run() {   # run NAME PYTEST-ARGS...: one pytest process, its log (-v: a line a t
     echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/$name.log"
 }
 case "${1:-a}" in
-    a) run engine tests/test_gpu_engine.py &
+    a) { run engine tests/test_gpu_engine.py; run families tests/test_families_cuda.py; } &
        { run hybrid tests/test_gpu_hybrid.py; run fused tests/test_fused_norm.py; } & wait ;;
     b) run experts tests/test_cuda_kernels.py -k test_experts_gpu &
        run kernels tests/test_cuda_kernels.py tests/test_graphs.py \
            -k "not test_experts_gpu and not grouped" & wait ;;
     c) run grouped tests/test_cuda_kernels.py -k grouped &
-       { run attention tests/test_attention_decode.py; run families tests/test_families_cuda.py; } &
-       wait ;;
+       run attention tests/test_attention_decode.py & wait ;;
     *) echo "usage: bash tools/gpu_session.sh a|b|c" >&2; exit 2 ;;
 esac
 rc=0
