@@ -4,7 +4,7 @@
 #   a: tests/test_gpu_engine.py then tests/test_families_cuda.py (new, duration unknown) beside
 #      tests/test_gpu_hybrid.py then tests/test_fused_norm.py (engine 227 s, hybrid 238 s,
 #      fused norm 195 s alone, on 2026-12-01)
-#   b: tests/test_cuda_kernels.py's per-token expert tests (every sweep variant at three real
+#   b: tests/test_cuda_kernels.py's per-token expert tests (the live variants at three real
 #      shapes) beside its dense / sampling tests and tests/test_graphs.py
 #   c: the grouped (prefill) expert tests beside tests/test_attention_decode.py
 #      (b: 431 s; c's grouped tests 453 s)
