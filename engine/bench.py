@@ -191,7 +191,9 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
             print(buf.getvalue(), file=sys.stderr)
         s = res.stats
         pt = s["decode_per_token"]
-        per = {"disk": pt["disk_bytes"], "h2d": pt["h2d_bytes"], "hbm": pt["weight_bytes"]}
+        # HBM: the weights and the sequence state (KV cache rows) a token reads
+        per = {"disk": pt["disk_bytes"], "h2d": pt["h2d_bytes"],
+               "hbm": pt["weight_bytes"] + pt["state_bytes"]}
         b = bound(per, bw)
         row = {"vram_gb": vram, "ram_gb": ram, "speculate": m.gpu.speculate, "warm_ram": warm_ram,
                "all_resident": m.plan.all_resident, "route": route,
@@ -209,7 +211,8 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
         rows.append(row)
         print(f"[{route} routing] vram {vram:g} GB ram {ram:g} GB: prefill {row['prefill_tok_s']:.0f} tok/s, decode "
               f"{row['decode_tok_s']:.1f} tok/s | per token disk {per['disk'] / 1e6:.1f} MB, H2D "
-              f"{per['h2d'] / 1e6:.1f} MB, weights {per['hbm'] / 1e6:.0f} MB | bound {b:.1f} tok/s | "
+              f"{per['h2d'] / 1e6:.1f} MB, weights {pt['weight_bytes'] / 1e6:.0f} MB + state "
+              f"{pt['state_bytes'] / 1e6:.0f} MB | bound {b:.1f} tok/s | "
               f"achieved/bound {row['achieved_over_bound']:.2f} | ms per token: compute "
               f"{1e3 * pt['compute_s']:.1f}, H2D wait {1e3 * pt['wait_h2d_s']:.1f}, host tier "
               f"{1e3 * pt['wait_host_s']:.1f} | graphs: {row['graph_nodes']} nodes, "

@@ -462,6 +462,7 @@ class Engine:
         stats["decode_per_token"] = {
             "disk_bytes": (c1["disk"] - c0["disk"]) / n, "h2d_bytes": (c1["h2d"] - c0["h2d"]) / n,
             "weight_bytes": self.weight_bytes_per_token(),
+            "state_bytes": self.state_bytes_per_token(stats["prefill_tokens"], n),
             "wait_host_s": (c1["wait"] - c0["wait"]) / n}
         # the decode thread fetches from the host tier while the GPU stands idle, so the stall
         # seen on the GPU (router done -> copies done) contains that wait: split it off
@@ -489,6 +490,22 @@ class Engine:
             per_expert = sum(self.checkpoint.info(n).nbytes
                              for n in expert_names(c.family, c.moe_layers[0], 0)) if c.moe_layers else 0
         return int(dense + len(c.moe_layers) * c.top_k * per_expert)
+
+    def state_bytes_per_token(self, first: int, n: int) -> float:
+        """Mean bytes of sequence state a decode token reads, over the n tokens at positions
+        first.. first + n - 1: the float32 K and V rows of every attention layer (up to a sliding
+        window) and the conv and recurrent state of the DeltaNet layers."""
+        from engine.models.hybrid import HybridConfig
+        c = self.config
+        pos = np.arange(first, first + max(n, 1)) + 1
+        rows = np.minimum(pos, c.sliding_window) if c.sliding_window else pos
+        if isinstance(c, HybridConfig):
+            layers = len(c.full_layers)
+            fixed = 4 * len(c.linear_layers) * ((c.conv_kernel - 1) * c.conv_dim
+                                                 + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim)
+        else:
+            layers, fixed = c.n_layers, 0
+        return float(layers * 2 * c.kv_dim * 4 * rows.mean() + fixed)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, on_text: Callable | None = None,

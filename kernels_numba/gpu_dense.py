@@ -12,12 +12,14 @@ multiple of 8 bf16 / 4 fp32 values, 16-byte aligned rows), the default at T <= L
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, float64, uint32, uint64
 
 from .gpu_util import (M32, SIM, WARP, aligned, block_sum, cdiv, cp_async4, cp_async_wait,
+                        prefetch_l2,
                         int_as_float, ld4, ld4_pinned, lds4, pdl_kernel, pdl_trigger, pdl_wait,
                         warp_sum)
 
@@ -37,6 +39,9 @@ LIN16_N_MIN = 2048                   # ... and N >= this (the router's 128 rows:
 # path beats the 8-byte one at every N >= 2048 (q/k/v 7.49 vs 8.95 us, o 6.83 vs 8.48, LM head
 # 142 vs 155); T = 2 was 14.11 vs 10.89 in the sixth session's sweep, not re-run
 LIN16_XS_BYTES = 1024 if SIM else 32768   # ... x (and g) staged in shared memory up to this
+# Each warp group asks the L2 for its rows before the PDL wait: in a decode graph the matvec's
+# weights then stream while the kernel before it still runs (MOE_STREAM_L2_PREFETCH=0: off).
+LIN_PREFETCH = os.environ.get("MOE_STREAM_L2_PREFETCH", "1") != "0"
 NORM_THREADS = 64 if SIM else 128    # rmsnorm: one warp per row
 NORM_BLOCK = 64 if SIM else 512      # rmsnorm of long rows: one block per row
 NORM_BLOCK_MIN = 32 if SIM else 1024
@@ -84,7 +89,7 @@ def _elem_f32(w, n, k):
 LIN_DOUBLE_BUFFER = False
 
 
-def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False):
+def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False, PF=False):
     """Matvec kernel for cw weights per 8-byte chunk (4 bf16 / 2 fp32); ACC: y += instead of =.
 
     A block of LIN_THREADS threads is NW = LIN_THREADS / 32 warps in NW / KS groups; a group owns
@@ -123,6 +128,8 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False):
         n0 = (cuda.blockIdx.x * NG + grp) * R
         N = w64.shape[0]
         nch = w64.shape[1]
+        if PF and ks == 0 and lane < R and n0 + lane < N:   # (before the wait: see LIN_PREFETCH)
+            prefetch_l2(w64, n0 + lane, nch * 8)
         T = x64.shape[0]
         wq = cuda.local.array(UR, uint64)
         wn = cuda.local.array(UR, uint64)
@@ -210,7 +217,8 @@ class Wide(NamedTuple):
                                         # (threads * blocks_sm); 0: no bound
 
 
-def _make_linear16(BF, R, KS, U, TT, NT, BSM, XS, EXACT, ACC=False, NORM=False, HOUT=False):
+def _make_linear16(BF, R, KS, U, TT, NT, BSM, XS, EXACT, ACC=False, NORM=False, HOUT=False,
+                   PF=False):
     """Matvec kernel whose lanes load 16 bytes a weight load (one ld.global.nc.v4: a "chunk" of
     8 bf16 or 4 fp32 values); BF: bf16 weights as uint32 words (two values each), else fp32.
 
@@ -266,6 +274,8 @@ def _make_linear16(BF, R, KS, U, TT, NT, BSM, XS, EXACT, ACC=False, NORM=False, 
         n0 = (cuda.blockIdx.x * NG + grp) * R
         N = w.shape[0]
         nch = w.shape[1] // 4
+        if PF and ks == 0 and lane < R and n0 + lane < N:   # (before the wait: see LIN_PREFETCH)
+            prefetch_l2(w, n0 + lane, nch * 16)
         T, K = x.shape
         wq = cuda.local.array(UR4, WT)                   # the loaded chunks, 4 words each
         wv = cuda.local.array(RC, float32)               # one chunk of the R rows, decoded
@@ -491,7 +501,7 @@ def linear_kernel(kind: str, r: int, ks: int, u: int, tt: int, acc: bool = False
     """The compiled-on-first-launch matvec for (weight kind "bf16" / "f32", rows per warp group,
     warps per row, chunks in flight per row, token tile, accumulate into y, RMSNorm of x fused
     in, the normalised x written out too)."""
-    key = (kind, r, ks, u, tt, bool(acc), bool(norm), bool(norm and h_out))
+    key = (kind, r, ks, u, tt, bool(acc), bool(norm), bool(norm and h_out), LIN_PREFETCH)
     if key not in _LINEAR:
         if (LIN_THREADS // WARP) % ks:
             raise ValueError(f"linear: {ks} warps per row do not divide a {LIN_THREADS}-thread block")
@@ -528,7 +538,7 @@ def linear16_kernel(kind: str, cfg: Wide, tt: int, xs: bool, exact: bool, acc: b
     shape, token tile, x staged in shared memory, a row's chunks a multiple of 32 * ks * u (no
     clamped loads), accumulate into y, RMSNorm of x fused in, the normalised x written)."""
     key = (kind, tuple(cfg), tt, bool(xs), bool(exact), bool(acc), bool(norm),
-           bool(norm and h_out))
+           bool(norm and h_out), LIN_PREFETCH)
     if key not in _LINEAR16:
         if cfg.threads % WARP or (cfg.threads // WARP) % cfg.ks:
             raise ValueError(f"linear: {cfg.ks} warps per row do not divide a "

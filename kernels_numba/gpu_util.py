@@ -233,6 +233,43 @@ else:
         return sig, codegen
 
 
+# prefetch_l2(a, i, nbytes): asks the L2 to fetch about nbytes of the 2-D array a from the start
+# of row i on (cp.async.bulk.prefetch, in 16-byte granules: one thread, nothing waits). A hint:
+# before its PDL wait a kernel can pull in weights that no launch writes while the kernel before
+# it still runs. No-op before sm_90 and under the simulator.
+if SIM:
+    @cuda.jit(device=True)
+    def prefetch_l2(a, i, nbytes):
+        pass
+else:
+    @intrinsic
+    def prefetch_l2(typingctx, a, i, nbytes):
+        if not (isinstance(a, types.Array) and a.ndim == 2 and isinstance(i, types.Integer)
+                and isinstance(nbytes, types.Integer)):
+            return None
+        sig = types.none(a, i, nbytes)
+
+        def codegen(context, builder, sig, args):
+            if _pdl_target():
+                aty = sig.args[0]
+                arr = context.make_array(aty)(context, builder, value=args[0])
+                ix = [context.cast(builder, args[1], sig.args[1], types.intp),
+                      context.get_constant(types.intp, 0)]
+                ptr = cgutils.get_item_pointer(context, builder, aty, arr, ix)
+                i64, i32 = ir.IntType(64), ir.IntType(32)
+                # 16-byte granules: the start rounded down, the size too (a hint may fall short)
+                n = builder.and_(builder.trunc(context.cast(builder, args[2], sig.args[2],
+                                                            types.int64), i32),
+                                 ir.Constant(i32, ~15 & 0xFFFFFFFF))
+                addr = builder.and_(builder.ptrtoint(ptr, i64), ir.Constant(i64, ~15))
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i32]),
+                                   "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r",
+                                   side_effect=True)
+                builder.call(asm, [addr, n])
+            return context.get_dummy_value()
+        return sig, codegen
+
+
 # ---- programmatic dependent launch (sm_90+) --------------------------------------------------
 # In a graph whose kernel -> kernel edges are programmatic (engine/graphs.py), a kernel may start
 # while the one before it still runs. pdl_wait() blocks until the kernels it depends on have
@@ -458,4 +495,4 @@ __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "f
            "bf16_lo", "bf16_hi", "bf16_at", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
            "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15",
            "make_ld", "ld4", "ld2", "ld4cg", "ld2cg", "ld4_pinned", "lds4", "cp_async4",
-           "cp_async_wait", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]
+           "cp_async_wait", "prefetch_l2", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]
