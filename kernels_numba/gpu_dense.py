@@ -39,9 +39,10 @@ LIN16_N_MIN = 2048                   # ... and N >= this (the router's 128 rows:
 # path beats the 8-byte one at every N >= 2048 (q/k/v 7.49 vs 8.95 us, o 6.83 vs 8.48, LM head
 # 142 vs 155); T = 2 was 14.11 vs 10.89 in the sixth session's sweep, not re-run
 LIN16_XS_BYTES = 1024 if SIM else 32768   # ... x (and g) staged in shared memory up to this
-# Each warp group asks the L2 for its rows before the PDL wait: in a decode graph the matvec's
-# weights then stream while the kernel before it still runs (MOE_STREAM_L2_PREFETCH=0: off).
-LIN_PREFETCH = os.environ.get("MOE_STREAM_L2_PREFETCH", "1") != "0"
+# MOE_STREAM_L2_PREFETCH=1: each warp group asks the L2 for its rows before the PDL wait, so a
+# decode graph's matvec weights stream while the kernel before it runs. Off: the all-resident
+# decode lost 2.5% with it (H200, PERF.md ninth session).
+LIN_PREFETCH = os.environ.get("MOE_STREAM_L2_PREFETCH", "0") == "1"
 NORM_THREADS = 64 if SIM else 128    # rmsnorm: one warp per row
 NORM_BLOCK = 64 if SIM else 512      # rmsnorm of long rows: one block per row
 NORM_BLOCK_MIN = 32 if SIM else 1024
