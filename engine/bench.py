@@ -144,7 +144,7 @@ def fill_ram_cache(m) -> int:
 
 def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int, out_json=None,
                resident_vram_gb: float | None = None, route: str = "model", profile: bool = False,
-               speculate: bool = False, warm_ram: bool = False) -> list:
+               speculate: bool = False, warm_ram: bool = False, kv_cache: str = "f32") -> list:
     """Decode and prefill tokens/s on the cuda backend under each RAM budget, page cache dropped
     before each run, with the bound from bandwidths measured in this run."""
     import engine
@@ -162,7 +162,7 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
         drop_page_cache(arena)
         t = time.perf_counter()
         m = engine.load(model, device="cuda", vram_gb=vram, ram_gb=ram, max_context=prompt_len + tokens + 8,
-                        speculate=speculate)
+                        speculate=speculate, kv_cache=kv_cache)
         load_s = time.perf_counter() - t
         # compile every kernel and capture the graphs outside the timed run (numba compiles on
         # first launch); then the page cache is dropped again for a cold prefill
@@ -196,6 +196,7 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
                "hbm": pt["weight_bytes"] + pt["state_bytes"]}
         b = bound(per, bw)
         row = {"vram_gb": vram, "ram_gb": ram, "speculate": m.gpu.speculate, "warm_ram": warm_ram,
+               "kv_cache": kv_cache,
                "all_resident": m.plan.all_resident, "route": route,
                "hot_experts": m.plan.hot_slots, "total_experts": m.plan.total_experts,
                "load_s": load_s, "prefill_tokens": s["prefill_tokens"], "prefill_tok_s": s["prefill_tok_s"],
@@ -243,12 +244,13 @@ def main(argv=None) -> int:
     p.add_argument("--speculate", action="store_true", help="speculative copies on (engine --speculate)")
     p.add_argument("--warm-ram", action="store_true",
                    help="fill the RAM cache with experts before the timed prefill (warm, not cold)")
+    p.add_argument("--kv-cache", choices=("f32", "bf16"), default="f32", help="engine --kv-cache")
     p.add_argument("--profile", action="store_true",
                    help="print where the decode thread spends its time (cProfile, top 25)")
     a = p.parse_args(argv)
     if a.what == "gpu-stream":
         gpu_stream(a.model, a.vram_gb, a.ram_gb, a.tokens, a.prompt_len, a.out, a.resident_vram_gb,
-                   a.route, a.profile, a.speculate, a.warm_ram)
+                   a.route, a.profile, a.speculate, a.warm_ram, a.kv_cache)
         return 0
     r = cpu_decode(a.preset, a.tokens)
     print(json.dumps(r, indent=1))

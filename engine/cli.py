@@ -13,6 +13,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length in tokens: prompt + completion (default min(model's, 4096))")
+    p.add_argument("--kv-cache", choices=("f32", "bf16"), default="f32",
+                   help="KV cache values: float32, or bfloat16 (half the cache's VRAM on cuda; "
+                        "K and V rounded as they are stored)")
     p.add_argument("--ram-gb", type=float, default=None,
                    help="host-RAM expert cache budget for packed models (default: fits the arena, "
                         "at most half the available RAM)")
@@ -57,4 +60,5 @@ def load_from_args(a):
     return engine.load(model_dir(a), device=a.device, max_context=a.max_context, ram_gb=a.ram_gb,
                        cache_policy=a.cache_policy, reader_threads=a.reader_threads,
                        vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch,
-                       speculate=a.speculate, decode_core=a.decode_core, reader_cores=a.reader_cores)
+                       speculate=a.speculate, decode_core=a.decode_core, reader_cores=a.reader_cores,
+                       kv_cache=a.kv_cache)

@@ -92,13 +92,14 @@ class Buffers:
 
 
 class GpuRunState:
-    """KV cache [L][S_max, Hkv, D] float32 in VRAM, and the filled length."""
+    """KV cache [L][S_max, Hkv, D] in VRAM (float32, or uint16 bf16 bits: kv_dtype), and the
+    filled length."""
 
-    def __init__(self, c, max_context: int):
+    def __init__(self, c, max_context: int, kv_dtype=np.float32):
         self.max_context = max_context
-        self.k = [cuda.device_array((max_context, c.n_kv_heads, c.head_dim), np.float32)
+        self.k = [cuda.device_array((max_context, c.n_kv_heads, c.head_dim), kv_dtype)
                   for _ in range(c.n_layers)]
-        self.v = [cuda.device_array((max_context, c.n_kv_heads, c.head_dim), np.float32)
+        self.v = [cuda.device_array((max_context, c.n_kv_heads, c.head_dim), kv_dtype)
                   for _ in range(c.n_layers)]
         self.pos = 0
 
@@ -119,9 +120,11 @@ class GpuDecoder:
 
     def __init__(self, c, weight, experts_host, plan, layout, on_route=None, prefill_batch: int = 32,
                  max_context: int = 4096, use_graphs: bool = True, speculate: bool = False,
-                 prefill_chunk: int = 512):
-        """weight(key, layer) -> host array; experts_host: get/contains over expert blocks."""
+                 prefill_chunk: int = 512, kv_dtype=np.float32):
+        """weight(key, layer) -> host array; experts_host: get/contains over expert blocks;
+        kv_dtype: the KV cache's, float32 or uint16 (bf16 bits)."""
         self.max_context = max_context
+        self.kv_dtype = kv_dtype
         self.prefill_chunk = prefill_chunk
         self.use_graphs = use_graphs
         self._graphs = None
@@ -298,7 +301,7 @@ class GpuDecoder:
     def new_state(self, max_context: int) -> GpuRunState:
         """Reuses the preallocated state when it is large enough (nothing allocated per request)."""
         if self.state is None or self.state.max_context < max_context:
-            self.state = self.state_cls(self.c, max(max_context, self.max_context))
+            self.state = self.state_cls(self.c, max(max_context, self.max_context), self.kv_dtype)
             # the graph warm-up reads cache rows no token wrote: garbage there (NaN) would
             # send the router's ids out of range
             for a in self.state.k + self.state.v:

@@ -105,12 +105,12 @@ def dense_keys(c) -> list:
     return keys
 
 
-def state_bytes(c, max_context: int) -> int:
-    """Device bytes of a sequence's state: KV cache of the full-attention layers, conv and
-    recurrent state of the DeltaNet layers."""
+def state_bytes(c, max_context: int, kv_itemsize: int = 4) -> int:
+    """Device bytes of a sequence's state: KV cache of the full-attention layers (kv_itemsize
+    bytes a value), float32 conv and recurrent state of the DeltaNet layers."""
     ll = len(c.linear_layers)
-    return 4 * (2 * len(c.full_layers) * max_context * c.kv_dim
-                + ll * ((c.conv_kernel - 1) * c.conv_dim + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim))
+    return (kv_itemsize * 2 * len(c.full_layers) * max_context * c.kv_dim
+            + 4 * ll * ((c.conv_kernel - 1) * c.conv_dim + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim))
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
@@ -139,13 +139,14 @@ class HybridBuffers(Buffers):
 
 
 class GpuHybridState:
-    """k, v: per full-attention layer [S_max, Hkv, D]; conv [Ll, Kc-1, C]; ssm [Ll, Nv, Dk, Dv]."""
+    """k, v: per full-attention layer [S_max, Hkv, D] (kv_dtype: float32 or uint16 bf16 bits);
+    conv [Ll, Kc-1, C]; ssm [Ll, Nv, Dk, Dv] float32."""
 
-    def __init__(self, c, max_context: int):
+    def __init__(self, c, max_context: int, kv_dtype=np.float32):
         self.max_context = max_context
         s, f = max_context, np.float32
-        self.k = [cuda.device_array((s, c.n_kv_heads, c.head_dim), f) for _ in c.full_layers]
-        self.v = [cuda.device_array((s, c.n_kv_heads, c.head_dim), f) for _ in c.full_layers]
+        self.k = [cuda.device_array((s, c.n_kv_heads, c.head_dim), kv_dtype) for _ in c.full_layers]
+        self.v = [cuda.device_array((s, c.n_kv_heads, c.head_dim), kv_dtype) for _ in c.full_layers]
         ll = max(len(c.linear_layers), 1)
         self.conv = cuda.device_array((ll, c.conv_kernel - 1, c.conv_dim), f)
         self.ssm = cuda.device_array((ll, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), f)

@@ -23,6 +23,8 @@ from engine.names import expert_names, name
 from engine.tokenizer import StreamDecoder, load_tokenizer
 from loader.checkpoint import Checkpoint
 
+KV_CACHE_KINDS = ("f32", "bf16")   # Engine(kv_cache=...), --kv-cache
+
 
 @dataclass
 class GenerationParams:
@@ -224,10 +226,15 @@ class Engine:
                  on_route: Callable | None = None, ram_gb: float | None = None,
                  cache_policy: str = "lru", reader_threads: int = 4, vram_gb: float | None = None,
                  hot_from: str | None = None, prefill_batch: int = 32, speculate: bool = False,
-                 decode_core: int | str | None = "auto", reader_cores=None):
+                 decode_core: int | str | None = "auto", reader_cores=None, kv_cache: str = "f32"):
         """decode_core: the core the generating thread is pinned to while it generates ('auto':
         the last allowed core on cuda, unpinned on cpu; None or -1: unpinned); reader_cores: the
-        arena reader threads' cores (None: the allowed cores but the decode one). engine/affinity.py"""
+        arena reader threads' cores (None: the allowed cores but the decode one). engine/affinity.py
+        kv_cache: "f32" or "bf16" (K and V rounded to bfloat16 as they are stored: half the
+        cache's VRAM on cuda; the CPU backend rounds the same way in a float32 cache)."""
+        if kv_cache not in KV_CACHE_KINDS:
+            raise ValueError(f"kv_cache {kv_cache!r}: expected one of {', '.join(KV_CACHE_KINDS)}")
+        self.kv_cache = kv_cache
         from kernels_numba.cpu import CpuOps
         self.ops = ops = CpuOps()
         ck = self.checkpoint = Checkpoint(model)
@@ -263,6 +270,7 @@ class Engine:
                                            speculate)
         else:
             self.model = fam.model_cls(c, ops, self._weight, self.experts, on_route)
+            self.model.kv_bf16 = kv_cache == "bf16"
         gen = ck.json_file("generation_config.json")
         eos = gen.get("eos_token_id", None)
         if eos is None:
@@ -306,10 +314,11 @@ class Engine:
                           if not (embed_on_host(c) and n == name(c.family, "embed")))
         if isinstance(c, HybridConfig):   # DeltaNet + gated attention: engine/gpu_hybrid.py
             from engine import gpu_hybrid as g
-            Decoder, kv = g.GpuHybridDecoder, g.state_bytes(c, self.max_context)
+            Decoder, kv = g.GpuHybridDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
         else:
             from engine import gpu as g
-            Decoder, kv = g.GpuDecoder, 2 * c.n_layers * self.max_context * c.kv_dim * 4
+            Decoder = g.GpuDecoder
+            kv = 2 * c.n_layers * self.max_context * c.kv_dim * self.kv_itemsize
         chunk = g.pick_prefill_chunk(c, self.max_context, vram * 1e9)
         run_state = g.run_state_bytes(c, chunk, self.max_context)
         total_experts = len(c.moe_layers) * c.n_experts
@@ -336,7 +345,8 @@ class Engine:
             self.experts.resize(max(p.ram_slots, c.top_k) * layout.block_bytes)
         print(p.describe(), file=sys.stderr)
         dec = Decoder(c, self._weight, host, p, layout, on_route, prefill_batch,
-                      max_context=self.max_context, speculate=speculate, prefill_chunk=chunk)
+                      max_context=self.max_context, speculate=speculate, prefill_chunk=chunk,
+                      kv_dtype=np.uint16 if self.kv_cache == "bf16" else np.float32)
         dec.upload_all([(k, l) for k, l in _dense_keys(c)])
         if hot_from:
             from engine.profile import RoutingProfile
@@ -491,10 +501,15 @@ class Engine:
                              for n in expert_names(c.family, c.moe_layers[0], 0)) if c.moe_layers else 0
         return int(dense + len(c.moe_layers) * c.top_k * per_expert)
 
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes a K or V value takes in the cache on this device."""
+        return 2 if self.kv_cache == "bf16" and self.device == "cuda" else 4
+
     def state_bytes_per_token(self, first: int, n: int) -> float:
         """Mean bytes of sequence state a decode token reads, over the n tokens at positions
-        first.. first + n - 1: the float32 K and V rows of every attention layer (up to a sliding
-        window) and the conv and recurrent state of the DeltaNet layers."""
+        first.. first + n - 1: the K and V rows of every attention layer (up to a sliding
+        window) and the float32 conv and recurrent state of the DeltaNet layers."""
         from engine.models.hybrid import HybridConfig
         c = self.config
         pos = np.arange(first, first + max(n, 1)) + 1
@@ -505,7 +520,7 @@ class Engine:
                                                  + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim)
         else:
             layers, fixed = c.n_layers, 0
-        return float(layers * 2 * c.kv_dim * 4 * rows.mean() + fixed)
+        return float(layers * 2 * c.kv_dim * self.kv_itemsize * rows.mean() + fixed)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, on_text: Callable | None = None,

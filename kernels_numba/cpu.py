@@ -426,6 +426,15 @@ def sample_logits(logits, temperature, top_k, top_p, u):
 FMT_CODE = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 
 
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even, NaN kept), as float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    b = x.view(np.uint32)
+    out = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+           & np.uint32(0xFFFF0000)).view(np.float32)
+    return np.where(np.isnan(x), x, out)
+
+
 class CpuOps:
     """The CPU backend's ops over numpy arrays. Model code calls these, never the kernels."""
 
@@ -450,10 +459,11 @@ class CpuOps:
     def clip_(self, x: np.ndarray, limit: float) -> None:
         np.clip(x, -limit, limit, out=x)
 
-    def kv_store(self, kc, vc, start: int, k, v) -> None:
-        """Write k, v [T, Hkv, D] into cache rows start..start+T-1."""
-        kc[start:start + k.shape[0]] = k
-        vc[start:start + v.shape[0]] = v
+    def kv_store(self, kc, vc, start: int, k, v, bf16: bool = False) -> None:
+        """Write k, v [T, Hkv, D] into cache rows start..start+T-1; bf16: rounded to bfloat16
+        values first (as the cuda backend's bf16 cache stores them)."""
+        kc[start:start + k.shape[0]] = round_bf16(k) if bf16 else k
+        vc[start:start + v.shape[0]] = round_bf16(v) if bf16 else v
 
     def take_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x[rows])

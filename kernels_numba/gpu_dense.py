@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, float32, float64, uint32, uint64
 
 from .gpu_util import (M32, SIM, WARP, aligned, block_sum, cdiv, cp_async4, cp_async_wait,
-                        prefetch_l2,
+                        prefetch_l2, putter,
                         int_as_float, ld4, ld4_pinned, lds4, pdl_kernel, pdl_trigger, pdl_wait,
                         warp_sum)
 
@@ -871,7 +871,9 @@ else:
         return _ld.sincos(a)
 
 
-def _make_qk_norm_rope(STORE):
+def _make_qk_norm_rope(STORE, BF=False):
+    put = putter(BF)             # the cache kind: float32 or bf16 bits
+
     @pdl_kernel
     @cuda.jit
     def qk_norm_rope(q, k, wq, wk, eps, w_offset, positions, inv_freq, scaling, v, kc, vc):
@@ -931,23 +933,25 @@ def _make_qk_norm_rope(STORE):
                 x[t, hh, f] = ra
                 x[t, hh, f + r2] = rb
                 if store:
-                    kc[p, hh, f] = ra
-                    kc[p, hh, f + r2] = rb
+                    put(kc, p, hh, f, ra)
+                    put(kc, p, hh, f + r2, rb)
             for d in range(2 * r2 + lane, D, WARP):
                 x[t, hh, d] = sh[wid, d]
                 if store:
-                    kc[p, hh, d] = sh[wid, d]
+                    put(kc, p, hh, d, sh[wid, d])
             if store:
                 for d in range(lane, D, WARP):
-                    vc[p, hh, d] = v[t, hh, d]
+                    put(vc, p, hh, d, v[t, hh, d])
     return qk_norm_rope
 
 
 _qk_norm_rope = _make_qk_norm_rope(False)
-_qk_norm_rope_store = _make_qk_norm_rope(True)
+_qk_norm_rope_store = {bf: _make_qk_norm_rope(True, bf) for bf in (False, True)}   # by cache kind
 
 
-def _make_qk_norm_rope_v2(STORE):
+def _make_qk_norm_rope_v2(STORE, BF=False):
+    put = putter(BF)             # the cache kind: float32 or bf16 bits
+
     @cuda.jit
     def qk_norm_rope_v2(q, k, wq, wk, eps, w_offset, positions, inv_freq, scaling, v, kc, vc):
         """The base kernel's result, one warp (block) a head: grid T * (Hq + Hkv), block b =
@@ -1023,22 +1027,22 @@ def _make_qk_norm_rope_v2(STORE):
                 x[t, hh, f] = ra
                 x[t, hh, f + r2] = rb
                 if store:
-                    kc[p, hh, f] = ra
-                    kc[p, hh, f + r2] = rb
+                    put(kc, p, hh, f, ra)
+                    put(kc, p, hh, f + r2, rb)
         for i in range(QKR_DL):
             d = r + i * WARP + lane
             if d < D:
                 y = xc[i] * inv * (wc[i] + w_offset)
                 x[t, hh, d] = y
                 if store:
-                    kc[p, hh, d] = y
+                    put(kc, p, hh, d, y)
             if store and i * WARP + lane < D:
-                vc[p, hh, i * WARP + lane] = vv[i]
+                put(vc, p, hh, i * WARP + lane, vv[i])
     return qk_norm_rope_v2
 
 
 _qk_norm_rope_v2 = pdl_kernel(_make_qk_norm_rope_v2(False))
-_qk_norm_rope_v2_store = pdl_kernel(_make_qk_norm_rope_v2(True))
+_qk_norm_rope_v2_store = {bf: pdl_kernel(_make_qk_norm_rope_v2(True, bf)) for bf in (False, True)}
 
 
 def qk_norm_rope(q, k, wq, wk, eps, positions, inv_freq, scaling, stream, w_offset=0.0,
@@ -1046,7 +1050,8 @@ def qk_norm_rope(q, k, wq, wk, eps, positions, inv_freq, scaling, stream, w_offs
     """Per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (weights wq, wk [D], each plus
     w_offset), then RoPE as rope() does it (the first 2 * len(inv_freq) dims, cos / sin times
     scaling), in place, in one launch: rmsnorm(q), rmsnorm(k), rope(q), rope(k) fused.
-    cache = (v, kc, vc): also kv_store(k, v, kc, vc, positions) in the same launch.
+    cache = (v, kc, vc): also kv_store(k, v, kc, vc, positions) in the same launch (caches
+    float32, or uint16 bf16 bits: the rows rounded to nearest even).
     variant: one of QKR_VARIANTS (default QKR_VARIANT): "base" = QKR_WARPS heads a block,
     the normed head parked in shared memory; "v2" = one warp a block, registers only."""
     t, hq, d = q.shape
@@ -1060,14 +1065,15 @@ def qk_norm_rope(q, k, wq, wk, eps, positions, inv_freq, scaling, stream, w_offs
     heads = t * (hq + k.shape[1])
     v, kc, vc = (k, k, k) if cache is None else cache
     if cache is not None and (v.shape != k.shape or kc.shape[1:] != k.shape[1:]
-                              or vc.shape != kc.shape):
+                              or vc.shape != kc.shape or vc.dtype != kc.dtype):
         raise ValueError(f"qk_norm_rope: v {v.shape} / caches {kc.shape}, {vc.shape} do not "
                          f"match k {k.shape}")
     args = (q, k, wq, wk, float32(eps), float32(w_offset), positions, inv_freq,
             float64(scaling), v, kc, vc)
     if variant == "v2":
-        kern = _qk_norm_rope_v2 if cache is None else _qk_norm_rope_v2_store
+        bf = kc.dtype == np.uint16
+        kern = _qk_norm_rope_v2 if cache is None else _qk_norm_rope_v2_store[bf]
         kern[heads, WARP, stream](*args)
         return
-    kern = _qk_norm_rope if cache is None else _qk_norm_rope_store
+    kern = _qk_norm_rope if cache is None else _qk_norm_rope_store[kc.dtype == np.uint16]
     kern[cdiv(heads, QKR_WARPS), QKR_THREADS, stream](*args)

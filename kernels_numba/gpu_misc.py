@@ -9,34 +9,43 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import cuda, float32
 
-from .gpu_util import SIM, cdiv, pdl_kernel, pdl_trigger, pdl_wait
+from .gpu_util import SIM, cdiv, pdl_kernel, pdl_trigger, pdl_wait, putter
 
 THREADS = 64 if SIM else 256
 
 
-@pdl_kernel
-@cuda.jit
-def _kv_store(k, v, kc, vc, pos):
-    """k, v float32 [T, Hkv, D] -> kc, vc [S, Hkv, D] at rows pos[t] (device positions)."""
-    pdl_wait()
-    pdl_trigger()
-    i = cuda.grid(1)
-    T, nh, D = k.shape
-    if i < T * nh * D:
-        t = i // (nh * D)
-        r = i - t * nh * D
-        h = r // D
-        d = r - h * D
-        p = pos[t]
-        kc[p, h, d] = k[t, h, d]
-        vc[p, h, d] = v[t, h, d]
+def _make_kv_store(BF):
+    put = putter(BF)
+
+    @cuda.jit
+    def kv_store(k, v, kc, vc, pos):
+        """k, v float32 [T, Hkv, D] -> kc, vc [S, Hkv, D] at rows pos[t] (device positions);
+        BF: the caches hold bf16 bits (uint16), rounded to nearest even."""
+        pdl_wait()
+        pdl_trigger()
+        i = cuda.grid(1)
+        T, nh, D = k.shape
+        if i < T * nh * D:
+            t = i // (nh * D)
+            r = i - t * nh * D
+            h = r // D
+            d = r - h * D
+            p = pos[t]
+            put(kc, p, h, d, k[t, h, d])
+            put(vc, p, h, d, v[t, h, d])
+    return kv_store
+
+
+_kv_store = {False: pdl_kernel(_make_kv_store(False)), True: pdl_kernel(_make_kv_store(True))}
 
 
 def kv_store(k, v, kc, vc, pos, stream):
+    """Caches float32, or uint16 bf16 bits (the rows rounded)."""
     n = k.shape[0] * k.shape[1] * k.shape[2]
-    _kv_store[cdiv(n, THREADS), THREADS, stream](k, v, kc, vc, pos)
+    _kv_store[kc.dtype == np.uint16][cdiv(n, THREADS), THREADS, stream](k, v, kc, vc, pos)
 
 
 @pdl_kernel

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda, float32, int32, uint32, uint64
+from numba import config, cuda, float32, int32, uint16, uint32, uint64
 
 SIM = bool(config.ENABLE_CUDASIM)  # read once at import: the env var must be set before numba
 WARP = 32
@@ -79,6 +79,32 @@ def bf16_hi(w):
 def bf16_at(bits):
     """One uint16 bfloat16 -> float32."""
     return int_as_float(uint32(bits) << 16)
+
+
+@cuda.jit(device=True, inline=True)
+def to_bf16(x):
+    """float32 -> uint16 bfloat16 bits, round to nearest even, NaN kept quiet (as
+    loader.quant.f32_to_bf16)."""
+    u = float_as_uint(x)
+    if x != x:
+        return uint16((u >> uint32(16)) | uint32(0x0040))
+    return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def _put_f32(a, i, j, k, x):
+    a[i, j, k] = x
+
+
+@cuda.jit(device=True, inline=True)
+def _put_bf16(a, i, j, k, x):
+    a[i, j, k] = to_bf16(x)
+
+
+def putter(bf: bool):
+    """A device function put(a, i, j, k, x): a[i, j, k] = x, for a cache of float32 or (bf) of
+    bf16 bits, rounded. Kernel factories pick one by the cache kind they are built for."""
+    return _put_bf16 if bf else _put_f32
 
 
 
@@ -492,7 +518,7 @@ def poison(arr) -> None:
 
 
 __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "float_as_uint",
-           "bf16_lo", "bf16_hi", "bf16_at", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
+           "bf16_lo", "bf16_hi", "bf16_at", "to_bf16", "putter", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
            "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15",
            "make_ld", "ld4", "ld2", "ld4cg", "ld2cg", "ld4_pinned", "lds4", "cp_async4",
            "cp_async_wait", "prefetch_l2", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]

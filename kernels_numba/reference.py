@@ -20,6 +20,24 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bfloat16 value (ties to the even mantissa), as float32: of the two
+    bfloat16 neighbours (the bits truncated toward zero, and one bf16 step further out, in
+    float64 so that past the largest finite one the step is 2^128: infinity) the closer one."""
+    x = np.asarray(x, dtype=np.float32)
+    lo_bits = x.view(np.uint32) & np.uint32(0xFFFF0000)
+    lo32 = lo_bits.view(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        step = np.spacing(np.abs(lo32)).astype(np.float64) * 65536.0   # a bf16 ulp
+        lo = lo32.astype(np.float64)
+        hi = lo + np.copysign(step, lo)
+        d_lo, d_hi = np.abs(x - lo), np.abs(hi - x)
+        even_lo = (lo_bits >> np.uint32(16)) % 2 == 0
+        take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & ~even_lo)
+        out = np.where(take_hi, hi, lo).astype(np.float32)   # 2^128 -> inf
+    return np.where(np.isnan(x) | np.isinf(x), x, out)
+
+
 def e4m3_to_f32(bits: np.ndarray) -> np.ndarray:
     """uint8 FP8 E4M3 (FN: no infinities, 0x7f / 0xff are NaN) -> float32."""
     b = bits.astype(np.int32)

@@ -163,12 +163,12 @@ def tiny_qwen(tmp_path):
     return tmp_path / "m"
 
 
-def check_graph_replay_equals_eager(packed, prompt, resident: bool) -> None:
+def check_graph_replay_equals_eager(packed, prompt, resident: bool, **load) -> None:
     """cuda backend on a packed folder: decode replayed as CUDA graphs (one per token when
     resident, else per-layer segments over the streaming path) gives the eager path's tokens and
-    the CPU backend's."""
+    the CPU backend's. load: engine.load keywords for both backends."""
     import engine
-    g = engine.load(packed, device="cuda")
+    g = engine.load(packed, device="cuda", **load)
     if not resident:   # force the streaming path: a plan without every expert resident
         g.gpu.plan = type(g.plan)(**{**g.plan.__dict__, "hot_slots": 0})
     a = g.generate(prompt, max_new_tokens=20)
@@ -176,7 +176,7 @@ def check_graph_replay_equals_eager(packed, prompt, resident: bool) -> None:
     g.gpu.use_graphs = False
     b = g.generate(prompt, max_new_tokens=20)
     assert a.output_ids == b.output_ids
-    cpu = engine.load(packed, device="cpu").generate(prompt, max_new_tokens=20)
+    cpu = engine.load(packed, device="cpu", **load).generate(prompt, max_new_tokens=20)
     assert cpu.output_ids == a.output_ids
 
 
@@ -207,14 +207,15 @@ def check_device_sampling_equals_host(packed, prompt, resident: bool, n: int = 2
     assert c.output_ids == g.generate(prompt, max_new_tokens=n, **SAMPLED[1]).output_ids
 
 
-def eager_decoder_matches_cpu(model, setup=None) -> None:
+def eager_decoder_matches_cpu(model, setup=None, **load) -> None:
     """The cuda backend's eager decoder (the simulator has no CUDA graphs) against the CPU
     backend on model: a 2-token prefill (the T > 1 path: grouped experts) and a greedy decode
     step (the T = 1 path the graphs capture), logits compared at each. setup(decoder) runs
-    first. Kept this small: the simulator costs about 0.1 s per 64-thread block."""
+    first; load: engine.load keywords for both. Kept this small: the simulator costs about
+    0.1 s per 64-thread block."""
     import engine
-    cpu = engine.load(model, device="cpu").model
-    dec = engine.load(model, device="cuda").gpu
+    cpu = engine.load(model, device="cpu", **load).model
+    dec = engine.load(model, device="cuda", **load).gpu
     dec.use_graphs = False
     if setup is not None:
         setup(dec)

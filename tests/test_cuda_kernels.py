@@ -284,11 +284,12 @@ def check_norm_rope_embed(rng, t, nh, d, r, hidden, vocab):
 
 
 def check_qk_norm_rope(rng, t, hq, hkv, d, r, w_offset=0.0, scaling=1.0, store=False,
-                       variant=None, max_pos=40000):
+                       variant=None, max_pos=40000, bf16=False):
     """gd.qk_norm_rope (one launch) against rmsnorm then rope of the reference, q and k; with
     store, also the fused kv_store: k and v at their rows of a poisoned cache, the rest left.
     variant: one of gd.QKR_VARIANTS (None: the default); positions below max_pos (store: the
-    cache rows, t + 5 of them)."""
+    cache rows, t + 5 of them). bf16: a cache of bf16 bits, which must hold the k the kernel
+    wrote and v rounded to nearest even, bit for bit."""
     from kernels_numba import gpu_dense as gd
     stream = cuda.stream()
     q = rng.standard_normal((t, hq, d)).astype(np.float32)
@@ -301,18 +302,30 @@ def check_qk_norm_rope(rng, t, hq, hkv, d, r, w_offset=0.0, scaling=1.0, store=F
            else rng.integers(0, max_pos, size=t)).astype(np.int32)
     inv_freq = (1.0 / (1e6 ** (np.arange(0, r, 2) / r))).astype(np.float32)
     dq, dk = cuda.to_device(q), cuda.to_device(k)
-    kc, vc = _nan((s_max, hkv, d)), _nan((s_max, hkv, d))
+    if bf16:   # poisoned with a NaN pattern
+        kc, vc = (cuda.to_device(np.full((s_max, hkv, d), 0xFFFF, np.uint16)) for _ in range(2))
+    else:
+        kc, vc = _nan((s_max, hkv, d)), _nan((s_max, hkv, d))
     gd.qk_norm_rope(dq, dk, cuda.to_device(wq), cuda.to_device(wk), 1e-6, cuda.to_device(pos),
                     cuda.to_device(inv_freq), scaling, stream, w_offset=w_offset,
                     cache=(cuda.to_device(v), kc, vc) if store else None, variant=variant)
     stream.synchronize()
     errs = []
     what = (f"{variant or gd.QKR_VARIANT} T={t} Hq={hq} Hkv={hkv} D={d} R={r} "
-            f"offset={w_offset} store={store}")
+            f"offset={w_offset} store={store} bf16={bf16}")
     for got, x, w, name in ((dq, q, wq, "q"), (dk, k, wk, "k")):
         exp = ref.rope(ref.rmsnorm(x, w + np.float32(w_offset), 1e-6), pos, inv_freq, scaling)
         errs.append(_close(got.copy_to_host(), exp, what=f"qk_norm_rope {name} {what}"))
-        if store and name == "k":
+        if store and name == "k" and bf16:
+            from loader.quant import f32_to_bf16_ref
+            kch, vch = kc.copy_to_host(), vc.copy_to_host()
+            assert np.array_equal(kch[pos], f32_to_bf16_ref(got.copy_to_host())), \
+                f"qk_norm_rope k cache {what}"
+            assert np.array_equal(vch[pos], f32_to_bf16_ref(v)), f"qk_norm_rope v cache {what}"
+            rest = np.setdiff1d(np.arange(s_max), pos)
+            assert (kch[rest] == 0xFFFF).all() and (vch[rest] == 0xFFFF).all(), \
+                f"qk_norm_rope wrote cache rows outside positions ({what})"
+        elif store and name == "k":
             kch, vch = kc.copy_to_host(), vc.copy_to_host()
             errs.append(_close(kch[pos], exp, what=f"qk_norm_rope k cache {what}"))
             assert np.array_equal(vch[pos], v), f"qk_norm_rope v cache {what}"

@@ -167,6 +167,7 @@ class MoeDecoder:
     """Forward pass over backend ops. `weights(key, layer)` gives dense weights as the backend
     holds them; `experts.fetch(layer, ids)` gives routed experts' weights (the engine resolves
     them across memory tiers); `on_route(layer, ids)` observes routing (traces, profiles)."""
+    kv_bf16 = False   # K and V rounded to bfloat16 as stored (the engine's kv_cache="bf16")
 
     def __init__(self, c: MoeConfig, ops, weights, experts, on_route=None):
         self.c, self.ops, self.w, self.experts = c, ops, weights, experts
@@ -214,7 +215,7 @@ class MoeDecoder:
             q, k = ops.rmsnorm(q, w("q_norm", l), c.rms_eps), ops.rmsnorm(k, w("k_norm", l), c.rms_eps)
         ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
         ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
-        ops.kv_store(st.k[l], st.v[l], int(pos[0]), k, v)
+        ops.kv_store(st.k[l], st.v[l], int(pos[0]), k, v, self.kv_bf16)
         a = ops.attention(q, st.k[l], st.v[l], pos, c.head_dim ** -0.5, c.sliding_window)
         return ops.linear(a.reshape(t, c.q_dim), w("o", l))
 

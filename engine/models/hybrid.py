@@ -226,7 +226,7 @@ class HybridDecoder(MoeDecoder):
         ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
         ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
         s = self.slot[l]
-        ops.kv_store(st.k[s], st.v[s], int(pos[0]), k, v)
+        ops.kv_store(st.k[s], st.v[s], int(pos[0]), k, v, self.kv_bf16)
         a = ops.attention(q, st.k[s], st.v[s], pos, d ** -0.5, 0).reshape(t, c.q_dim)
         self.dn.sigmoid_gate_(a, gate)
         return ops.linear(a, w("o", l))
