@@ -694,12 +694,16 @@ class GpuDecoder:
         c, cs = self.c, self.cs
         x, h = b.x[:t], b.h[:t]
         gd.rmsnorm(x, self.w("mlp_norm", l), c.rms_eps, h, cs)
-        g, u = b.g[:t], b.u[:t]
-        self._linear(self.w("mlp_gate", l), h, g)
-        self._linear(self.w("mlp_up", l), h, u)
-        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), cs)
+        g = self._swiglu_in(self.w("mlp_gate", l), self.w("mlp_up", l), h, b.g[:t], b.u[:t])
         self._linear(self.w("mlp_down", l), g, b.o[:t])
         gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)
+
+    def _swiglu_in(self, wg, wu, h, g, u):
+        """g = silu(h @ wg^T) * (h @ wu^T), u scratch; returns g (the down projection's input)."""
+        self._linear(wg, h, g)
+        self._linear(wu, h, u)
+        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), self.cs)
+        return g
 
     def _norm_router(self, l, b, t):
         """h = mlp_norm(x), rl = h @ router^T. One token: one launch, the norm fused into the
@@ -727,13 +731,10 @@ class GpuDecoder:
         """x += SwiGLU_shared(h), h = the MoE input (b.h after the router): in the all-resident
         token graph after the router; on the streamed path a graph segment of its own behind the
         ids' event (it computes while the host resolves); eager, after the ids' sync."""
-        c, cs = self.c, self.cs
-        if not c.shared_intermediate:
+        if not self.c.shared_intermediate:
             return
-        h, g, u = b.h[:t], b.sg[:t], b.su[:t]
-        self._linear(self.w("shared_gate", l), h, g)
-        self._linear(self.w("shared_up", l), h, u)
-        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), cs)
+        g = self._swiglu_in(self.w("shared_gate", l), self.w("shared_up", l), b.h[:t], b.sg[:t],
+                            b.su[:t])
         self._shared_out(l, b, t, g)
 
     def _shared_out(self, l, b, t, g):

@@ -23,6 +23,7 @@ from engine.names import expert_names
 from loader.arena import ARENA_NAME, ArenaError, ArenaFile, write_arena
 from loader.checkpoint import Checkpoint, CheckpointError
 from loader.layout import FORMATS, ExpertLayout
+from loader.quant import MATRICES
 from loader.st_write import write_safetensors
 
 MANIFEST = "manifest.json"
@@ -66,7 +67,7 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
             names = expert_names(c.family, layer, e)
             if experts == "nvfp4" and all(n in ck.nvfp4 for n in names):
                 # an NVFP4 checkpoint's bytes are the arena's: copied, not re-quantized
-                return {m: ck.nvfp4_parts(n) for m, n in zip(("gate", "up", "down"), names)}
+                return {m: ck.nvfp4_parts(n) for m, n in zip(MATRICES, names)}
             return tuple(ck.get_f32(n) for n in names)
 
         records = write_arena(tmp / ARENA_NAME, experts, layout, c.n_layers, c.n_experts, get_expert,

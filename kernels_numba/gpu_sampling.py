@@ -7,8 +7,8 @@ Legend: T = tokens, E = experts, K = top-k, V = vocab.
                  slots int32 [T, K] = slot_of[ids] (slot_of int32 [E]) in the same launch.
                  Variants (router_topk(variant=...), default ROUTER_VARIANT):
                  "base": the logits parked in shared memory, K rounds of a lane scan + warp
-                         argmax, each ending in a barrier (lane 0 writes the round's pick and
-                         knocks it out of the buffer);
+                         argmax (_take_best, shared with the sigmoid router: lane 0 knocks the
+                         pick out of the buffer, then a barrier; lane 0 writes the pick);
                  "v2":   the logits in registers (NL = cdiv(E, 32) a lane, lane l holding
                          experts l, l + 32, ...; one compiled kernel per NL), K rounds of a
                          register scan + shuffle argmax with no shared memory or barrier; the
@@ -45,6 +45,26 @@ BLOCK = 64 if SIM else 1024       # argmax / sample: one block
 MAX_WARPS = 32
 
 
+@cuda.jit(device=True, inline=True)
+def _take_best(key, E, red, red_i):
+    """One selection round of the shared-memory routers (grid T, 32 threads, every thread calls
+    it): (the largest of key[:E], its index, lowest on ties) to every lane, knocked out of key
+    for the next round. NaN keys still give an index in range."""
+    lane = cuda.threadIdx.x
+    bv = NEG_INF
+    bi = int32(E)
+    for e in range(lane, E, WARP):
+        v = key[e]
+        if v > bv or bi == E:
+            bv = v
+            bi = e
+    bv, bi = warp_argmax(bv, bi, red, red_i)
+    if lane == 0:
+        key[bi] = NEG_INF
+    cuda.syncthreads()   # the knock-out seen by every lane before the next round's scan
+    return bv, bi
+
+
 def _make_router_topk(SLOTS):
     @cuda.jit(device=True, inline=True)
     def body(logits, norm, ids, weights, slot_of, slots):
@@ -68,14 +88,7 @@ def _make_router_topk(SLOTS):
         s = warp_sum(s, red)
         tot = float32(0.0)
         for k in range(K):
-            bv = NEG_INF
-            bi = int32(E)
-            for e in range(lane, E, WARP):
-                v = buf[e]
-                if v > bv or bi == E:   # NaN logits still give an id in range
-                    bv = v
-                    bi = e
-            bv, bi = warp_argmax(bv, bi, red, red_i)
+            bv, bi = _take_best(buf, E, red, red_i)
             p = math.exp(bv - m) / s
             tot += p
             if lane == 0:
@@ -83,8 +96,6 @@ def _make_router_topk(SLOTS):
                 weights[t, k] = p
                 if SLOTS:
                     slots[t, k] = slot_of[bi]
-                buf[bi] = NEG_INF
-            cuda.syncthreads()
         if norm and lane == 0:
             for k in range(K):
                 weights[t, k] = weights[t, k] / tot
@@ -278,14 +289,7 @@ def _make_router_sigmoid(SLOTS):
             cuda.syncthreads()
         tot = float32(0.0)
         for k in range(K):
-            bv = NEG_INF
-            bi = int32(E)
-            for e in range(lane, E, WARP):
-                v = key[e]
-                if v > bv or bi == E:   # NaN keys still give an id in range
-                    bv = v
-                    bi = e
-            bv, bi = warp_argmax(bv, bi, red, red_i)
+            _, bi = _take_best(key, E, red, red_i)
             p = sig[bi]
             tot += p
             if lane == 0:
@@ -293,8 +297,6 @@ def _make_router_sigmoid(SLOTS):
                 weights[t, k] = p
                 if SLOTS:
                     slots[t, k] = slot_of[bi]
-                key[bi] = NEG_INF
-            cuda.syncthreads()
         if lane == 0:
             for k in range(K):
                 w = weights[t, k]

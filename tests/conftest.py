@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +156,32 @@ def assert_greedy(ref, prompt, got, n: int) -> None:
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def check_against(ref, m) -> None:
+    """The engine model m against the transformers model ref: logits of 12 random tokens and a
+    24-token greedy continuation."""
+    import torch
+    ids = np.random.default_rng().integers(0, 300, 12)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(m.logits(ids), want) < 1e-4
+    prompt = ids[:5].tolist()
+    assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=24).output_ids, 24)
+
+
+def copy_config(src: Path, dst: Path, **changes) -> None:
+    """src's config.json into dst with changes (a None value removes the key), and its
+    tokenizer files: the rest of a checkpoint folder whose weights a test rewrote."""
+    cfg = json.loads((src / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            del cfg[k]
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / f, dst / f)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ refused by name."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import engine
-from conftest import assert_greedy, build_hf_model, rel_err
+from conftest import build_hf_model, check_against, copy_config
 from loader.checkpoint import Checkpoint, CheckpointError
 from loader.quant import dequant_fp8_blocks
 
@@ -55,9 +54,7 @@ def write_fp8(src, dst, block=(16, 16), scale_dtype=torch.float32, drop_scale=No
         else:
             tensors[name] = w.to(torch.bfloat16)
     save_file(tensors, dst / "model.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["dtype"] = "bfloat16"
-    cfg["quantization_config"] = {
+    copy_config(src, dst, dtype="bfloat16", quantization_config={
         "block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                   "weight_block_size": list(block)},
         "tensor": {"quant_method": "fp8", "activation_scheme": "static"},
@@ -69,10 +66,7 @@ def write_fp8(src, dst, block=(16, 16), scale_dtype=torch.float32, drop_scale=No
                         "input_activations": {"num_bits": 8, "type": "float",
                                               "strategy": "token", "dynamic": True}}},
                     "ignore": ["lm_head", "re:.*mlp.gate$"]},
-    }[scheme]
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(src / f, dst / f)
+    }[scheme])
 
 
 def dequantized_copy(src, dst):
@@ -92,11 +86,7 @@ def dequantized_copy(src, dst):
             t = (t.float() * s).to(torch.bfloat16)
         out[name] = t
     save_file(out, dst / "model.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    del cfg["quantization_config"]
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(src / f, dst / f)
+    copy_config(src, dst, quantization_config=None)
 
 
 def tf_reference(path):
@@ -115,15 +105,6 @@ def fp8_model(tmp_path_factory):
     build_hf_model(base / "f32", "qwen3_moe")
     write_fp8(base / "f32", base / "fp8")
     return base / "fp8"
-
-
-def check_against(ref, m):
-    ids = np.random.default_rng().integers(0, 300, 12)
-    with torch.no_grad():
-        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
-    assert rel_err(m.logits(ids), want) < 1e-4
-    prompt = ids[:5].tolist()
-    assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=24).output_ids, 24)
 
 
 def test_fp8_checkpoint_matches_transformers(fp8_model):

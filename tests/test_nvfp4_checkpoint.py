@@ -6,7 +6,6 @@ NVFP4 input refused by name."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import engine
-from conftest import assert_greedy, build_hf_model, rel_err
+from conftest import build_hf_model, check_against, copy_config
 from engine.names import expert_names
 from loader.arena import ARENA_NAME
 from loader.checkpoint import Checkpoint, CheckpointError
@@ -43,13 +42,9 @@ def write_nvfp4(src, dst, drop=None):
     for n in [drop] if drop else []:
         del out[n]
     save_file(out, dst / "model.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["dtype"] = "bfloat16"
-    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4",
-                                  "group_size": 16, "exclude_modules": ["lm_head"]}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(src / f, dst / f)
+    copy_config(src, dst, dtype="bfloat16",
+                quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                     "group_size": 16, "exclude_modules": ["lm_head"]})
 
 
 def torch_dequant(q, s, g):
@@ -73,11 +68,7 @@ def dequantized_copy(src, dst, exact_experts=False):
             t = t if exact_experts and ".experts." in name else t.to(torch.bfloat16)
         out[name] = t
     save_file(out, dst / "model.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    del cfg["quantization_config"]
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(src / f, dst / f)
+    copy_config(src, dst, quantization_config=None)
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +82,6 @@ def nvfp4_model(tmp_path_factory):
     load = tf.AutoModelForCausalLM.from_pretrained
     return (base / "nvfp4", load(base / "bf16", dtype=torch.bfloat16).float().eval(),
             load(base / "exact", dtype=torch.float32).eval())
-
-
-def check_against(ref, m):
-    ids = np.random.default_rng().integers(0, 300, 12)
-    with torch.no_grad():
-        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
-    assert rel_err(m.logits(ids), want) < 1e-4
-    prompt = ids[:5].tolist()
-    assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=24).output_ids, 24)
 
 
 def test_nvfp4_checkpoint_matches_transformers(nvfp4_model):
