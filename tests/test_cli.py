@@ -47,3 +47,24 @@ def test_demo_model_runs_without_model_flag(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "demo model" in r.stderr
     assert len(json.loads(r.stdout)["output_ids"]) == 8
+
+
+def test_cli_bf16_kv_cache_and_state_bytes(tmp_path):
+    """--kv-cache is accepted (f32, bf16) and checked; the JSON stats carry the KV bytes a
+    decode token read."""
+    build_hf_model(tmp_path, "qwen3_moe")
+    outs = {}
+    for kind in ("f32", "bf16"):
+        r = subprocess.run([sys.executable, "-m", "engine.generate", "--model", str(tmp_path),
+                            "--prompt-ids", "1,2,3,4", "--max-new-tokens", "6", "--temperature", "0",
+                            "--json", "--device", "cpu", "--kv-cache", kind],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        outs[kind] = json.loads(r.stdout)["stats"]["decode_per_token"]
+    # 5 decode tokens at positions 4..8 read 5..9 rows of K and V: 2 layers, 2 kv heads x 16
+    rows = sum(range(5, 10)) / 5
+    assert outs["f32"]["state_bytes"] == 2 * 2 * 32 * 4 * rows
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "--model", str(tmp_path),
+                        "--prompt-ids", "1", "--kv-cache", "fp8", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--kv-cache" in r.stderr
