@@ -89,7 +89,8 @@ def stream_dense(layer_bytes: dict, room: int) -> tuple[tuple, int]:
 
 def plan(*, vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, run_state_bytes: int,
          block_bytes: int, top_k: int, total_experts: int, hot_limit: int | None = None,
-         dense_layer_bytes: dict | None = None, dense_from_ram: bool = True) -> Plan:
+         dense_layer_bytes: dict | None = None, dense_from_ram: bool = True,
+         kv_halvable: bool = False) -> Plan:
     """Size every tier; raise PlanError naming the minimum when the budget is too small.
 
     dense_layer_bytes (layer -> bytes of its dense weights, part of dense_bytes): when given and
@@ -97,6 +98,7 @@ def plan(*, vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, run_
     (dense weights come first: a token reads all of them, but only top-k of each layer's experts).
     dense_from_ram: those layers' host copies come out of ram_gb (a budget the user set; not
     when ram_gb is the engine's own default, sized for the experts alone).
+    kv_halvable: the KV cache is float32, so the refusal also suggests --kv-cache bf16.
     """
     vram = int(vram_gb * GB)
     ram = int(ram_gb * GB)
@@ -121,7 +123,8 @@ def plan(*, vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, run_
             f"{dense_bytes / GB:.2f} GB + KV cache {kv_bytes / GB:.2f} GB + run state "
             f"{run_state_bytes / GB:.2f} GB + two slot banks of {top_k} experts "
             f"{bank_slots * block_bytes / GB:.2f} GB + {RESERVE_BYTES / GB:.2f} GB reserve "
-            f"(lower --max-context to shrink the KV cache){least}")
+            f"(lower --max-context{' or pass --kv-cache bf16' if kv_halvable else ''} to "
+            f"shrink the KV cache){least}")
     hot = min(total_experts, (vram - need) // block_bytes)
     if hot_limit is not None:
         hot = min(hot, hot_limit)

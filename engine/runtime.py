@@ -324,7 +324,7 @@ class Engine:
         total_experts = len(c.moe_layers) * c.n_experts
         kw = dict(vram_gb=vram, ram_gb=max(ram, 1e-9) if self.packed else 1e6, kv_bytes=kv,
                   run_state_bytes=run_state, block_bytes=layout.block_bytes, top_k=c.top_k,
-                  total_experts=total_experts)
+                  total_experts=total_experts, kv_halvable=self.kv_itemsize == 4)
         try:
             p = plan(dense_bytes=dense_bytes, **kw)
         except PlanError:

@@ -46,6 +46,9 @@ def test_plan_refuses_with_the_minimum():
         plan(**base(vram_gb=2))
     need = (RESERVE_BYTES + int(1.9 * GB) + int(0.4 * GB) + (64 << 20) + 16 * BLOCK) / GB
     assert f"minimum of {need:.2f} GB" in str(e.value) and "--vram-gb 2" in str(e.value)
+    assert "--kv-cache bf16" not in str(e.value)
+    with pytest.raises(PlanError, match=r"lower --max-context or pass --kv-cache bf16 to shrink"):
+        plan(**base(vram_gb=2, kv_halvable=True))
 
 
 def test_plan_refuses_ram_below_one_layer():
