@@ -30,6 +30,7 @@ DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.flo
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 FP8_SCALES = ("_scale_inv", "_scale")   # suffixes of an FP8 weight's scale tensor (q * scale)
 NVFP4_GROUP = 16                          # NVFP4 values a block scale covers
+TRANSPOSED_FUSED = ("gpt_oss",)           # model types whose fused experts are [E, K, N]
 
 
 class CheckpointError(ValueError):
@@ -143,7 +144,12 @@ class Checkpoint:
         self._find_nvfp4()   # first: its block scales are F8_E4M3 tensors too
         self._find_fp8(declared)
         self.fused: dict[str, str] = {}   # per-expert view name -> the fused tensor it lies in
-        self._split_fused_experts()
+        # per-expert copy name -> (the fused tensor, expert, column start of a stride-2 half or None)
+        self.derived: dict[str, tuple] = {}
+        if self.config.get("model_type") in TRANSPOSED_FUSED:
+            self._split_transposed_experts()
+        else:
+            self._split_fused_experts()
 
     def _weight_files(self, base: str = "model") -> list[Path]:
         index = self.dir / f"{base}.safetensors.index.json"
@@ -310,6 +316,41 @@ class Checkpoint:
                                                     nr * cols * item)
                     self.fused[view] = name
 
+    _FUSED_T = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?P<bias>_bias)?$")
+
+    def _split_transposed_experts(self) -> None:
+        """gpt-oss fuses a layer's experts transposed against the engine's [N, K] matrices:
+        gate_up_proj [E, H, 2I] (gate the even columns, up the odd), gate_up_proj_bias [E, 2I]
+        (likewise), down_proj [E, I, H], down_proj_bias [E, H]. Each expert's gate / up [I, H],
+        down [H, I] and their biases get the per-expert names; get() copies them out (strided,
+        so no byte range of the file holds them)."""
+        for name, t in list(self.tensors.items()):
+            m = self._FUSED_T.match(name)
+            if m is None:
+                continue
+            dims = 2 if m["bias"] else 3
+            if len(t.shape) != dims:
+                raise CheckpointError(f"{t.file}: fused tensor {name} has shape {list(t.shape)}; "
+                                      f"expected {dims} dimensions")
+            if t.dtype not in FLOAT_DTYPES:
+                continue   # require() names the dtype when the model asks for a view
+            n = t.shape[-1]
+            if m["kind"] == "gate_up_proj":
+                if n % 2:
+                    raise CheckpointError(f"{t.file}: fused tensor {name} has {n} columns; "
+                                          "expected interleaved gate and up columns (an even count)")
+                parts = (("gate_proj", 0, n // 2), ("up_proj", 1, n // 2))
+            else:
+                parts = (("down_proj", None, n),)
+            item = np.dtype(DTYPES[t.dtype]).itemsize
+            for e in range(t.shape[0]):
+                for proj, col, rows in parts:
+                    view = f"{m['p']}.{e}.{proj}.{'bias' if m['bias'] else 'weight'}"
+                    shape = (rows,) if m["bias"] else (rows, t.shape[1])
+                    self.tensors[view] = TensorInfo(view, t.file, t.dtype, shape, t.start,
+                                                    int(np.prod(shape)) * item)
+                    self.derived[view] = (t, e, col)
+
     # ---- tensors ------------------------------------------------------------------------------
 
     def info(self, name: str) -> TensorInfo:
@@ -341,8 +382,14 @@ class Checkpoint:
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as stored (bf16 as uint16 bits), memory-mapped, read-only; an FP8 or
-        NVFP4 weight dequantized to bf16 bits (a new array)."""
+        NVFP4 weight dequantized to bf16 bits, or a transposed expert's copy (a new array)."""
         t = self.info(name)
+        if name in self.derived:
+            src, e, col = self.derived[name]
+            a = self._stored(src)[e]
+            if col is not None:
+                a = a[..., col::2]
+            return np.ascontiguousarray(a.T)
         if name in self.fp8 or name in self.nvfp4:
             from loader.quant import f32_to_bf16
             return f32_to_bf16(self.get_f32(name))

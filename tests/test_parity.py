@@ -33,6 +33,10 @@ CASES = [
                    first_k_dense_replace=0, n_shared_experts=2)),
     ("olmoe", {}),
     ("olmoe", dict(norm_topk_prob=True, clip_qkv=0.5, num_key_value_heads=4)),
+    ("gpt_oss", {}),
+    ("gpt_oss", dict(num_experts_per_tok=3, num_key_value_heads=4, sliding_window=5,
+                     swiglu_limit=0.5, swiglu_alpha=1.2,
+                     layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
 ]
 
 
