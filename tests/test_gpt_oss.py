@@ -64,3 +64,72 @@ def test_config_refusals(tiny):
         family_of({**cfg, "sliding_window": None})
     c = family_of({**cfg, "layer_types": None}).config   # transformers' default: odd layers full
     assert c.layer_windows == (3, 0, 3)
+
+
+def random_mxfp4(rng, e, n, k, lo=0, hi=254):
+    """Random MXFP4 blocks uint8 [e, n, k / 32, 16] and E8M0 scales uint8 [e, n, k / 32]."""
+    blocks = rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)
+    return blocks, rng.integers(lo, hi + 1, (e, n, k // 32), dtype=np.uint8)
+
+
+def test_mxfp4_dequant_matches_transformers():
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from loader.quant import dequant_mxfp4
+    rng = np.random.default_rng()
+    blocks, scales = random_mxfp4(rng, 3, 10, 96)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                      dtype=torch.float32).numpy()          # [E, K, N]
+    got = np.stack([dequant_mxfp4(blocks[e], scales[e]) for e in range(3)])  # [E, N, K]
+    assert np.array_equal(got, want.transpose(0, 2, 1))
+    bf = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales))
+    assert np.array_equal(got, bf.float().numpy().transpose(0, 2, 1))   # exact in bf16 too
+
+
+def test_mxfp4_checkpoint_matches_transformers(tmp_path):
+    """A tiny model with its experts in MXFP4 (random blocks and scales) against transformers
+    holding convert_moe_packed_tensors' weights; a NaN scale is refused by name."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from conftest import check_against, copy_config, hf_reference
+    from loader.st_write import write_safetensors
+    src = tmp_path / "f32"
+    hf = build_hf_model(src, "gpt_oss", hidden_size=64, intermediate_size=32)   # K: 32s
+    c = hf.config
+    e, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
+    rng = np.random.default_rng()
+    tensors = {n: p.detach().numpy() for n, p in hf.state_dict().items()
+               if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    ref = hf_reference(src)
+    for l, layer in enumerate(ref.model.layers):
+        for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            blocks, scales = random_mxfp4(rng, e, n, k, 122, 126)
+            tensors[f"model.layers.{l}.mlp.experts.{proj}_blocks"] = blocks
+            tensors[f"model.layers.{l}.mlp.experts.{proj}_scales"] = scales
+            w = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                           dtype=torch.float32)
+            with torch.no_grad():
+                getattr(layer.mlp.experts, proj).copy_(w)
+    dst = tmp_path / "mxfp4"
+    dst.mkdir()
+    write_safetensors(dst / "model.safetensors", tensors)
+    copy_config(src, dst, quantization_config={"quant_method": "mxfp4"})
+    check_against(ref, engine.load(dst, device="cpu"))
+
+    tensors["model.layers.2.mlp.experts.down_proj_scales"][1, 5, 0] = 0xFF
+    write_safetensors(dst / "model.safetensors", tensors)
+    ck = Checkpoint(dst)
+    with pytest.raises(Exception, match="down_proj_scales: NaN E8M0 scale"):
+        ck.get("model.layers.2.mlp.experts.1.down_proj.weight")
+
+
+def test_mxfp4_refused_for_other_families(tmp_path):
+    from loader.checkpoint import CheckpointError
+    build_hf_model(tmp_path, "mixtral")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config":
+                                                      {"quant_method": "mxfp4"}}))
+    with pytest.raises(CheckpointError, match="'mxfp4' is read for gpt_oss checkpoints only"):
+        Checkpoint(tmp_path)
