@@ -133,3 +133,27 @@ def test_mxfp4_refused_for_other_families(tmp_path):
                                                       {"quant_method": "mxfp4"}}))
     with pytest.raises(CheckpointError, match="'mxfp4' is read for gpt_oss checkpoints only"):
         Checkpoint(tmp_path)
+
+
+def test_rope_of_the_released_config():
+    """The released models' RoPE (transformers' defaults: yarn, factor 32, truncate false,
+    theta 150000, head_dim 64) against GptOssRotaryEmbedding."""
+    import transformers as tf
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from engine.models import family_of
+    hf = tf.GptOssConfig(num_hidden_layers=2, num_local_experts=4)
+    emb = GptOssRotaryEmbedding(hf)
+    cfg = {**hf.to_dict(), "model_type": "gpt_oss"}
+    c = family_of(cfg).config
+    assert c.rope.kind == "yarn" and not c.rope.truncate
+    assert np.allclose(c.rope.inv_freq(), emb.inv_freq.numpy(), rtol=1e-6, atol=0)
+    assert abs(c.rope.attention_factor - emb.attention_scaling) < 1e-6
+    # config.json without rope fields: transformers' defaults apply
+    bare = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    assert np.allclose(family_of(bare).config.rope.inv_freq(), emb.inv_freq.numpy(), rtol=1e-6)
+    # the hub's config.json spelling: rope_theta beside rope_scaling
+    hub = {**bare, "rope_theta": 150000, "rope_scaling": {
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096}}
+    assert np.allclose(family_of(hub).config.rope.inv_freq(), emb.inv_freq.numpy(), rtol=1e-6)
