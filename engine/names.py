@@ -65,6 +65,18 @@ _SIGMOID_MOE = {
 _QWEN2_MOE = {**_LLAMA_LIKE, **{k: _HYBRID[k] for k in ("shared_gate", "shared_up", "shared_down",
                                                         "shared_expert_gate")}}
 
+# gpt-oss: biased router (mlp.router), attention sinks, expert biases. Its fused experts are
+# exposed by loader/checkpoint.py under the per-expert names below.
+_GPT_OSS = {
+    **_LLAMA_LIKE,
+    "sinks": "model.layers.{l}.self_attn.sinks",
+    "router": "model.layers.{l}.mlp.router.weight",
+    "router_bias": "model.layers.{l}.mlp.router.bias",
+    "expert_gate_bias": "model.layers.{l}.mlp.experts.{e}.gate_proj.bias",
+    "expert_up_bias": "model.layers.{l}.mlp.experts.{e}.up_proj.bias",
+    "expert_down_bias": "model.layers.{l}.mlp.experts.{e}.down_proj.bias",
+}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -79,6 +91,7 @@ NAMES: dict[str, dict[str, str]] = {
     "glm4_moe": _SIGMOID_MOE,
     "dots1": _SIGMOID_MOE,
     "qwen3_next": _HYBRID,
+    "gpt_oss": _GPT_OSS,
     "qwen3_5_moe_text": _HYBRID,
     # the image-text wrapper (Qwen3_5MoeForConditionalGeneration): its language model, under
     # model.language_model.

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.models import family_of
+from engine.models import CPU_ONLY, family_of
 from engine.names import expert_names
 from loader.arena import ARENA_NAME, ArenaError, ArenaFile, write_arena
 from loader.checkpoint import Checkpoint, CheckpointError
@@ -48,6 +48,9 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
     ck = Checkpoint(src)
     fam = family_of(ck.config)
     c = fam.config
+    if c.family in CPU_ONLY:
+        raise PackError(f"{ck.dir}: {c.family} cannot be packed: {CPU_ONLY[c.family]}; "
+                        "run the checkpoint folder as it is (--device cpu)")
     ck.require(fam.dense_spec)
     ck.require(fam.expert_spec)
     ck.tokenizer_path()

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from engine.affinity import pin_current_thread, plan_cores
-from engine.models import family_of
+from engine.models import CPU_ONLY, family_of
 from engine.names import expert_names, name
 from engine.tokenizer import StreamDecoder, load_tokenizer
 from loader.checkpoint import Checkpoint
@@ -209,6 +209,12 @@ def pick_device(device: str, family: str) -> str:
     """auto -> cuda when a GPU works and the family runs there, cpu otherwise (saying which)."""
     if device == "cpu":
         return "cpu"
+    if family in CPU_ONLY:
+        why = f"the cuda backend does not run {family}: {CPU_ONLY[family]}"
+        if device == "cuda":
+            raise RuntimeError(f"--device cuda: {why}")
+        print(f"device auto: using cpu ({why})", file=sys.stderr)
+        return "cpu"
     ok, reason = cuda_status()
     if ok and family not in GPU_FAMILIES:
         ok, reason = False, f"the cuda backend does not run {family} yet"
@@ -358,8 +364,8 @@ class Engine:
         self.gpu = dec
         return dec
 
-    def _weight(self, key: str, layer: int | None = None):
-        return self._dense[name(self.config.family, key, layer)]
+    def _weight(self, key: str, layer: int | None = None, expert: int | None = None):
+        return self._dense[name(self.config.family, key, layer, expert)]
 
     # ---- plain forward ------------------------------------------------------------------------
 

@@ -121,11 +121,12 @@ def rope_inplace(x, positions, inv_freq, scaling):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def attention_gqa(q, kc, vc, q_pos, scale, window, out):
+def attention_gqa(q, kc, vc, q_pos, scale, window, sinks, out):
     """Causal GQA over a KV cache.
 
     q [T, Hq, D]; kc, vc [S_max, Hkv, D] (row j = position j); q_pos int [T];
     key j is seen when j <= q_pos[t] and (window == 0 or q_pos[t] - j < window) -> out [T, Hq, D].
+    sinks f32 [Hq] or [0] (none): a logit per head that joins the softmax's denominator only.
     """
     t, hq, d = q.shape
     hkv = kc.shape[1]
@@ -150,6 +151,10 @@ def attention_gqa(q, kc, vc, q_pos, scale, window, out):
             if acc > m:
                 m = acc
         tot = np.float32(0.0)
+        if sinks.shape[0] > 0:
+            if sinks[h] > m:
+                m = sinks[h]
+            tot += math.exp(sinks[h] - m)
         for j in range(n):
             sc[j] = math.exp(sc[j] - m)
             tot += sc[j]
@@ -424,6 +429,7 @@ def sample_logits(logits, temperature, top_k, top_p, u):
 # ---- the op set ------------------------------------------------------------------------------
 
 FMT_CODE = {"bf16": 0, "fp8": 1, "nvfp4": 2}
+_NO_SINKS = np.zeros(0, dtype=np.float32)
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
@@ -502,9 +508,11 @@ class CpuOps:
         rope_inplace(x, positions, inv_freq, scaling)
         return x
 
-    def attention(self, q, kc, vc, q_pos, scale, window=0):
+    def attention(self, q, kc, vc, q_pos, scale, window=0, sinks=None):
+        """sinks: f32 [Hq] attention-sink logits (gpt-oss), or None."""
         out = np.empty(q.shape, dtype=np.float32)
-        attention_gqa(q, kc, vc, q_pos, np.float32(scale), window, out)
+        sk = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
+        attention_gqa(q, kc, vc, q_pos, np.float32(scale), window, sk, out)
         return out
 
     def router(self, logits: np.ndarray, k: int, norm: bool):
@@ -539,6 +547,22 @@ class CpuOps:
         u = self.linear(x, up)
         a = g / (1.0 + np.exp(-g)) * u
         return self.linear(a.astype(np.float32), down)
+
+    def expert_clamped(self, x: np.ndarray, weights, biases, alpha: float, limit: float):
+        """gpt-oss's expert over its tokens: x [n, H] -> [n, H]. weights (gate, up, down) dense;
+        biases f32 (gate [I], up [I], down [H]). reference.gpt_oss_expert."""
+        gate, up, down = weights
+        g = self.linear(x, gate)
+        g += biases[0]
+        np.minimum(g, np.float32(limit), out=g)   # the gate is clamped from above only
+        u = self.linear(x, up)
+        u += biases[1]
+        np.clip(u, -limit, limit, out=u)
+        with np.errstate(over="ignore"):   # exp of a very negative gate: inf, the product 0
+            a = (u + np.float32(1.0)) * g / (np.float32(1.0) + np.exp(np.float32(-alpha) * g))
+        out = self.linear(a.astype(np.float32), down)
+        out += biases[2]
+        return out
 
     def sample(self, logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
         return int(sample_logits(np.ascontiguousarray(logits, dtype=np.float32),

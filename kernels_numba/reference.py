@@ -98,12 +98,13 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: float,
-              window: int = 0) -> np.ndarray:
+              window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal grouped-query attention.
 
     q [T, Hq, D]; k, v [S, Hkv, D] (cache rows 0..S-1 hold positions 0..S-1);
     q_pos int [T]: the position of each query; key j is seen when j <= q_pos
     (and q_pos - j < window when window > 0) -> [T, Hq, D].
+    sinks [Hq] (gpt-oss): one more logit per head in the softmax, with no value row.
     """
     t, hq, d = q.shape
     s, hkv, _ = k.shape
@@ -117,8 +118,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
         for h in range(hq):
             kv = h // group
             sc = (k[seen, kv].astype(np.float64) @ q[ti, h].astype(np.float64)) * scale
-            p = np.exp(sc - sc.max())
-            p /= p.sum()
+            sink = -np.inf if sinks is None else float(sinks[h])
+            mx = max(sc.max(), sink)
+            p = np.exp(sc - mx)
+            p /= p.sum() + np.exp(sink - mx)
             out[ti, h] = p @ v[seen, kv].astype(np.float64)
     return out.astype(np.float32)
 
@@ -181,6 +184,19 @@ def swiglu_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndar
     g = x64 @ gate.astype(np.float64).T
     u = x64 @ up.astype(np.float64).T
     return ((silu(g) * u) @ down.astype(np.float64).T).astype(np.float32)
+
+
+def gpt_oss_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                   gate_b: np.ndarray, up_b: np.ndarray, down_b: np.ndarray, alpha: float,
+                   limit: float) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU: x [T, H]; gate, up [I, H]; down [H, I]; biases [I], [I], [H].
+    g = min(x gate^T + gate_b, limit), u = clip(x up^T + up_b, +-limit),
+    out = ((u + 1) * g * sigmoid(alpha g)) down^T + down_b -> [T, H] float32."""
+    x64 = x.astype(np.float64)
+    g = np.minimum(x64 @ gate.astype(np.float64).T + gate_b, limit)
+    u = np.clip(x64 @ up.astype(np.float64).T + up_b, -limit, limit)
+    a = (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+    return (a @ down.astype(np.float64).T + down_b.astype(np.float64)).astype(np.float32)
 
 
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:

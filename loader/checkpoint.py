@@ -9,7 +9,8 @@ beside `<name>_scale` (E4M3, one a 16 values) and `<name>_scale_2` (the float32 
 the packer copies those bytes into an nvfp4 arena as they are. FP8: an F8_E4M3 weight beside
 `<name>_scale_inv` (one a block: quant_method "fp8", Qwen's and DeepSeek's -FP8 releases) or
 `<name>_scale` (a channel or the tensor: AutoFP8, ModelOpt FP8, compressed-tensors with 8-bit
-float weights), W = q * scale. Other quantization methods are refused by name.
+float weights), W = q * scale. gpt-oss's MXFP4 experts (quant_method "mxfp4") read as bf16
+too (_split_transposed_experts). Other quantization methods are refused by name.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.flo
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 FP8_SCALES = ("_scale_inv", "_scale")   # suffixes of an FP8 weight's scale tensor (q * scale)
 NVFP4_GROUP = 16                          # NVFP4 values a block scale covers
+TRANSPOSED_FUSED = ("gpt_oss",)           # model types whose fused experts are [E, K, N]
 
 
 class CheckpointError(ValueError):
@@ -143,7 +145,12 @@ class Checkpoint:
         self._find_nvfp4()   # first: its block scales are F8_E4M3 tensors too
         self._find_fp8(declared)
         self.fused: dict[str, str] = {}   # per-expert view name -> the fused tensor it lies in
-        self._split_fused_experts()
+        # per-expert copy name -> (the fused tensor, expert, column start of a stride-2 half or None)
+        self.derived: dict[str, tuple] = {}
+        if self.config.get("model_type") in TRANSPOSED_FUSED:
+            self._split_transposed_experts()
+        else:
+            self._split_fused_experts()
 
     def _weight_files(self, base: str = "model") -> list[Path]:
         index = self.dir / f"{base}.safetensors.index.json"
@@ -231,11 +238,17 @@ class Checkpoint:
                 if w.get("strategy") == "block":
                     block = w.get("block_structure")
             return block
+        if method == "mxfp4":   # gpt-oss: its experts' _blocks / _scales (_split_transposed_experts)
+            if self.config.get("model_type") not in TRANSPOSED_FUSED:
+                raise CheckpointError(f"{cfg_path}: quantization_config.quant_method 'mxfp4' is "
+                                      "read for gpt_oss checkpoints only")
+            return None
         if method not in (None, "fp8"):
             raise CheckpointError(
                 f"{cfg_path}: quantization_config.quant_method is {method!r}; the engine reads "
                 "bf16 / fp16 / fp32 checkpoints, FP8 ones (quant_method 'fp8', or "
-                "'compressed-tensors' with 8-bit float weights) and ModelOpt NVFP4 / FP8 ones")
+                "'compressed-tensors' with 8-bit float weights), ModelOpt NVFP4 / FP8 ones and "
+                "gpt_oss MXFP4 ones")
         if qc.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"{cfg_path}: quantization_config.fmt is {qc['fmt']!r}; "
                                   "expected 'e4m3'")
@@ -310,6 +323,58 @@ class Checkpoint:
                                                     nr * cols * item)
                     self.fused[view] = name
 
+    _FUSED_T = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)"
+                          r"(?P<suffix>_bias|_blocks)?$")
+
+    def _split_transposed_experts(self) -> None:
+        """gpt-oss fuses a layer's experts transposed against the engine's [N, K] matrices:
+        gate_up_proj [E, H, 2I] (gate the even columns, up the odd), gate_up_proj_bias [E, 2I]
+        (likewise), down_proj [E, I, H], down_proj_bias [E, H]. Each expert's gate / up [I, H],
+        down [H, I] and their biases get the per-expert names; get() copies them out (strided,
+        so no byte range of the file holds them). MXFP4 (`<name>_blocks` [E, N, K / 32, 16]
+        beside `<name>_scales` [E, N, K / 32]) is stored untransposed, [N, K] per expert (gate
+        the even rows, up the odd): its views read as bf16, dequantized on read."""
+        for name, t in list(self.tensors.items()):
+            m = self._FUSED_T.match(name)
+            if m is None:
+                continue
+            sc = None
+            if m["suffix"] == "_blocks":
+                sc = self.tensors.get(name[:-len("_blocks")] + "_scales")
+                if t.dtype != "U8" or len(t.shape) != 4 or t.shape[3] != 16 or sc is None \
+                        or sc.dtype != "U8" or sc.shape != t.shape[:3]:
+                    got = "missing" if sc is None else f"{sc.dtype} {list(sc.shape)}"
+                    raise CheckpointError(
+                        f"{t.file}: MXFP4 tensor {name} is {t.dtype} {list(t.shape)} beside "
+                        f"{name[:-len('_blocks')]}_scales ({got}); expected U8 [E, N, K / 32, 16] "
+                        "and U8 [E, N, K / 32]")
+                n, cols = t.shape[1], 32 * t.shape[2]
+            else:
+                dims = 2 if m["suffix"] else 3
+                if len(t.shape) != dims:
+                    raise CheckpointError(f"{t.file}: fused tensor {name} has shape "
+                                          f"{list(t.shape)}; expected {dims} dimensions")
+                if t.dtype not in FLOAT_DTYPES:
+                    continue   # require() names the dtype when the model asks for a view
+                n, cols = t.shape[-1], (t.shape[1] if dims == 3 else 0)
+            if m["kind"] == "gate_up_proj":
+                if n % 2:
+                    raise CheckpointError(f"{t.file}: fused tensor {name} interleaves gate and up "
+                                          f"in {n} rows / columns; expected an even count")
+                parts = (("gate_proj", 0, n // 2), ("up_proj", 1, n // 2))
+            else:
+                parts = (("down_proj", None, n),)
+            bias = m["suffix"] == "_bias"
+            dtype = "BF16" if sc is not None else t.dtype
+            item = np.dtype(DTYPES[dtype]).itemsize
+            for e in range(t.shape[0]):
+                for proj, col, rows in parts:
+                    view = f"{m['p']}.{e}.{proj}.{'bias' if bias else 'weight'}"
+                    shape = (rows,) if bias else (rows, cols)
+                    self.tensors[view] = TensorInfo(view, t.file, dtype, shape, t.start,
+                                                    int(np.prod(shape)) * item)
+                    self.derived[view] = (t, e, col, sc)
+
     # ---- tensors ------------------------------------------------------------------------------
 
     def info(self, name: str) -> TensorInfo:
@@ -341,8 +406,23 @@ class Checkpoint:
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as stored (bf16 as uint16 bits), memory-mapped, read-only; an FP8 or
-        NVFP4 weight dequantized to bf16 bits (a new array)."""
+        NVFP4 weight dequantized to bf16 bits, or a transposed expert's copy (a new array)."""
         t = self.info(name)
+        if name in self.derived:
+            src, e, col, sc = self.derived[name]
+            a = self._stored(src)[e]
+            if sc is not None:   # MXFP4, [N, K] already: its rows, dequantized
+                from loader.quant import dequant_mxfp4, f32_to_bf16
+                s = self._stored(sc)[e]
+                if col is not None:
+                    a, s = a[col::2], s[col::2]
+                if np.any(s == 0xFF):
+                    raise CheckpointError(f"{sc.file}: {sc.name}: NaN E8M0 scale(s) (0xFF) "
+                                          f"in expert {e}")
+                return f32_to_bf16(dequant_mxfp4(a, s))
+            if col is not None:
+                a = a[..., col::2]
+            return np.ascontiguousarray(a.T)
         if name in self.fp8 or name in self.nvfp4:
             from loader.quant import f32_to_bf16
             return f32_to_bf16(self.get_f32(name))

@@ -188,6 +188,18 @@ def dequant_nvfp4(q: np.ndarray, s: np.ndarray, global_scale: float, k: int) -> 
     return (vals * scales * float(global_scale))[:, :k].astype(np.float32)
 
 
+def dequant_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (gpt-oss's experts): blocks uint8 [R, G, 16] (E2M1 pairs, element 2j in the low
+    nibble of byte j), scales uint8 [R, G] (E8M0: 2^(s - 127), one a 32 values) -> float32
+    [R, 32 G], as transformers' convert_moe_packed_tensors (before its transpose)."""
+    r, g, b = blocks.shape
+    vals = np.empty((r, g, 2 * b), dtype=np.float32)
+    vals[..., 0::2] = _E2M1_TABLE[blocks & 0xF]
+    vals[..., 1::2] = _E2M1_TABLE[blocks >> 4]
+    with np.errstate(over="ignore"):   # past float32's range: inf, as transformers gives
+        return np.ldexp(vals, scales.astype(np.int32)[..., None] - 127).reshape(r, g * 2 * b)
+
+
 def quantize_fp8(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
     """w float32 [R, K] -> (q uint8 [R, K] E4M3 FN bits, s float32 [R]); dequant = q * s[r]."""
     w = _as_f32_matrix(w, name)

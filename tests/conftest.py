@@ -62,6 +62,12 @@ def hf_config(family: str, **over):
                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                   num_hidden_layers=3, attention_bias=True, n_group=1, topk_group=1)
         cls = tf.Glm4MoeConfig
+    elif family == "gpt_oss":
+        # a window of 3 within the tests' 12-token sequences; a small limit so the clamps bite
+        kw.update(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                  num_hidden_layers=3, sliding_window=3, swiglu_limit=1.0,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        cls = tf.GptOssConfig
     elif family == "olmoe":
         kw.update(intermediate_size=32, num_experts=4, num_experts_per_tok=2)
         kw.pop("head_dim")
@@ -97,13 +103,17 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
     torch.manual_seed(np.random.default_rng(seed).integers(1 << 31))
     cls = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
            "olmoe": tf.OlmoeForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
-           "qwen2_moe": tf.Qwen2MoeForCausalLM, "dots1": tf.Dots1ForCausalLM}[family]
+           "qwen2_moe": tf.Qwen2MoeForCausalLM, "dots1": tf.Dots1ForCausalLM,
+           "gpt_oss": tf.GptOssForCausalLM}[family]
     model = cls(cfg)
     widen_init(model)
     with torch.no_grad():   # a buffer, not a parameter: a selection bias that matters
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)
+        for n, p in model.named_parameters():   # gpt-oss: sinks and router biases that matter
+            if n.endswith((".sinks", "router.bias")):
+                p.normal_(0.0, 1.0)
     model = model.to(getattr(torch, dtype)).eval()
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(dst, **kw)

@@ -71,8 +71,44 @@ def test_attention_gqa(hq, hkv, window):
     vc = rng.standard_normal((s, hkv, d)).astype(np.float32)
     pos = np.array([3, 9, 10, 18], dtype=np.int32)
     out = poisoned(q.shape)
-    cpu.attention_gqa(q, kc, vc, pos, np.float32(d ** -0.5), window, out)
+    cpu.attention_gqa(q, kc, vc, pos, np.float32(d ** -0.5), window, np.zeros(0, np.float32), out)
     assert rel(out, ref.attention(q, kc, vc, pos, d ** -0.5, window)) < 1e-5
+
+
+@pytest.mark.parametrize("hq,hkv,window", [(4, 4, 0), (8, 2, 5), (4, 1, 1)])
+def test_attention_gqa_sinks(hq, hkv, window):
+    """gpt-oss's attention sinks: a per-head logit in the softmax denominator only."""
+    s, d, t = 17, 16, 4
+    q = rng.standard_normal((t, hq, d)).astype(np.float32)
+    kc = rng.standard_normal((s, hkv, d)).astype(np.float32)
+    vc = rng.standard_normal((s, hkv, d)).astype(np.float32)
+    sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
+    pos = np.array([0, 6, 7, 16], dtype=np.int32)
+    out = poisoned(q.shape)
+    cpu.attention_gqa(q, kc, vc, pos, np.float32(d ** -0.5), window, sinks, out)
+    want = ref.attention(q, kc, vc, pos, d ** -0.5, window, sinks)
+    assert rel(out, want) < 1e-5
+    assert rel(want, ref.attention(q, kc, vc, pos, d ** -0.5, window)) > 1e-2   # sinks matter
+    got = cpu.CpuOps().attention(q, kc, vc, pos, d ** -0.5, window, sinks)
+    assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("limit,alpha", [(7.0, 1.702), (0.8, 1.702), (1.5, 0.9)])
+def test_expert_clamped(limit, alpha):
+    """gpt-oss's expert (clamped SwiGLU with biases) on dense weights, f32 and bf16."""
+    h, i = 40, 24
+    x = rng.standard_normal((5, h)).astype(np.float32)
+    g, u = (rng.standard_normal((i, h)).astype(np.float32) * 0.5 for _ in range(2))
+    dn = rng.standard_normal((h, i)).astype(np.float32)
+    gb, ub = (rng.standard_normal(i).astype(np.float32) for _ in range(2))
+    db = rng.standard_normal(h).astype(np.float32)
+    ops = cpu.CpuOps()
+    want = ref.gpt_oss_expert(x, g, u, dn, gb, ub, db, alpha, limit)
+    assert rel(ops.expert_clamped(x, (g, u, dn), (gb, ub, db), alpha, limit), want) < 1e-5
+    wb = tuple(bf16_bits(a) for a in (g, u, dn))
+    want = ref.gpt_oss_expert(x, *(ref.bf16_to_f32(a) for a in wb), gb, ub, db, alpha, limit)
+    assert rel(ops.expert_clamped(x[:1], wb, (gb, ub, db), alpha, limit), want[:1]) < 1e-5
+    assert rel(ops.expert_clamped(x, wb, (gb, ub, db), alpha, limit), want) < 1e-5
 
 
 @pytest.mark.parametrize("e,k,norm", [(8, 1, False), (8, 2, True), (16, 16, False), (5, 3, True)])

@@ -33,6 +33,10 @@ CASES = [
                    first_k_dense_replace=0, n_shared_experts=2)),
     ("olmoe", {}),
     ("olmoe", dict(norm_topk_prob=True, clip_qkv=0.5, num_key_value_heads=4)),
+    ("gpt_oss", {}),
+    ("gpt_oss", dict(num_experts_per_tok=3, num_key_value_heads=4, sliding_window=5,
+                     swiglu_limit=0.5, swiglu_alpha=1.2,
+                     layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
 ]
 
 
@@ -65,7 +69,7 @@ def test_sharded_checkpoint(tmp_path):
     assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), want) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_bf16_checkpoint(tmp_path, family):
     build_hf_model(tmp_path, family, dtype="bfloat16")
     ref = hf_reference(tmp_path)  # the same bf16 weights, upcast to float32

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import (dots1, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe,
-                           qwen3_next)
+from engine.models import (dots1, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe,
+                           qwen3_moe, qwen3_next)
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -22,6 +22,13 @@ FAMILIES = {
     "qwen3_next": qwen3_next,
     "qwen3_5_moe": qwen3_5_moe,          # the image-text wrapper: its language model
     "qwen3_5_moe_text": qwen3_5_moe,     # a text-only Qwen3.5-MoE folder
+    "gpt_oss": gpt_oss,
+}
+
+# families the cpu backend alone runs (no cuda decoder, no packed arena), and why
+CPU_ONLY = {
+    "gpt_oss": "its expert biases and clamped SwiGLU are not in the arena format or the CUDA "
+               "kernels yet",
 }
 
 
