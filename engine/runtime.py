@@ -519,14 +519,15 @@ class Engine:
         from engine.models.hybrid import HybridConfig
         c = self.config
         pos = np.arange(first, first + max(n, 1)) + 1
-        rows = np.minimum(pos, c.sliding_window) if c.sliding_window else pos
         if isinstance(c, HybridConfig):
-            layers = len(c.full_layers)
+            windows = (0,) * len(c.full_layers)
             fixed = 4 * len(c.linear_layers) * ((c.conv_kernel - 1) * c.conv_dim
                                                  + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim)
-        else:
-            layers, fixed = c.n_layers, 0
-        return float(layers * 2 * c.kv_dim * self.kv_itemsize * rows.mean() + fixed)
+        else:   # a window a layer (gpt-oss alternates sliding and full layers) or one for all
+            windows = getattr(c, "layer_windows", ()) or (c.sliding_window,) * c.n_layers
+            fixed = 0
+        rows = sum(np.minimum(pos, w).mean() if w else pos.mean() for w in windows)
+        return float(2 * c.kv_dim * self.kv_itemsize * rows + fixed)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, on_text: Callable | None = None,

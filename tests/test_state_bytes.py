@@ -34,3 +34,16 @@ def test_state_bytes_per_token_matches_the_run_state(tmp_path, family, window):
     # the mean over positions 0 .. s - 1
     rows = [min(p + 1, window) if window else p + 1 for p in range(s)]
     assert m.state_bytes_per_token(0, s) == pytest.approx(row * np.mean(rows) + other)
+
+
+def test_state_bytes_per_layer_windows(tmp_path):
+    """gpt-oss: a sliding layer reads at most its window's rows, a full layer every row."""
+    build_hf_model(tmp_path, "gpt_oss", sliding_window=4)
+    m = engine.load(tmp_path, device="cpu")
+    windows = m.config.layer_windows
+    assert 4 in windows and 0 in windows
+    s = int(np.random.default_rng().integers(9, 40))
+    kv, _ = state_arrays_bytes(m.model.new_state(s))
+    layer_row = kv / s / len(windows)   # K and V of one position, one layer
+    assert m.state_bytes_per_token(s - 1, 1) == pytest.approx(
+        layer_row * sum(w or s for w in windows))
