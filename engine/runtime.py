@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -49,19 +50,44 @@ class GenerationResult:
 
 
 class CheckpointExperts:
-    """Routed experts read straight from the checkpoint's safetensors (memory-mapped)."""
+    """Routed experts read straight from the checkpoint's safetensors (memory-mapped). Experts
+    that are built on read (FP8 / NVFP4 / MXFP4 dequantized, fused tensors transposed) are kept
+    in an LRU cache of budget bytes: building one can take longer than a token's math."""
 
-    def __init__(self, ck: Checkpoint, family: str, ops):
+    def __init__(self, ck: Checkpoint, family: str, ops, budget: int = 0):
         self.ck, self.family, self.ops = ck, family, ops
-        self.fetched = 0
+        self.budget, self.held = int(budget), 0
+        self.cache: OrderedDict = OrderedDict()   # (layer, expert) -> weights, oldest first
+        self.fetched = self.hits = 0
+
+    def _read(self, layer: int, e: int) -> tuple:
+        return tuple(self.ops.weight(self.ck.get(n)) for n in expert_names(self.family, layer, e))
 
     def fetch(self, layer: int, ids) -> list:
-        self.fetched += len(ids)
-        return [tuple(self.ops.weight(self.ck.get(n)) for n in expert_names(self.family, layer, int(e)))
-                for e in ids]
+        out = []
+        for e in ids:
+            key = (layer, int(e))
+            w = self.cache.get(key)
+            if w is not None:
+                self.cache.move_to_end(key)
+                self.hits += 1
+            else:
+                w = self._read(*key)
+                self.fetched += 1
+                n = sum(a.nbytes for a in w)
+                if n <= self.budget:
+                    self.cache[key] = w
+                    self.held += n
+                    while self.held > self.budget:
+                        _, old = self.cache.popitem(last=False)
+                        self.held -= sum(a.nbytes for a in old)
+            out.append(w)
+        return out
 
     def stats(self) -> dict:
-        return {"source": "checkpoint", "experts_fetched": self.fetched}
+        total = self.fetched + self.hits
+        return {"source": "checkpoint", "experts_fetched": self.fetched, "cache_hits": self.hits,
+                "hit_rate": self.hits / total if total else 0.0, "ram_budget_bytes": self.budget}
 
 
 class ArenaExperts:
@@ -264,12 +290,18 @@ class Engine:
         else:
             self.cores = replace(self.cores, readers=None)   # no reader threads
             self.consumed |= ck.require(fam.expert_spec)
-            self.experts = CheckpointExperts(ck, c.family, ops)
-            if ck.fp8 or ck.nvfp4:
-                kind = "NVFP4" if ck.nvfp4 else "FP8"
-                print(f"{ck.dir}: {kind} weights are dequantized each time they are read; pack "
-                      f"the folder once for speed (python -m engine.pack {ck.dir} DST)",
-                      file=sys.stderr)
+            built = bool(ck.fp8 or ck.nvfp4 or ck.derived)   # experts made on read, not mapped
+            budget = 0
+            if built:
+                budget = int(ram_gb * 1e9) if ram_gb is not None else int(0.25 * _available_ram())
+            self.experts = CheckpointExperts(ck, c.family, ops, budget)
+            if built:
+                kind = ("NVFP4" if ck.nvfp4 else "FP8" if ck.fp8 else
+                        "MXFP4" if any(d[3] is not None for d in ck.derived.values()) else "fused")
+                hint = ("" if c.family in CPU_ONLY else
+                        f"; pack the folder once for speed (python -m engine.pack {ck.dir} DST)")
+                print(f"{ck.dir}: {kind} experts are built when first read and kept in a RAM "
+                      f"cache of {budget / 1e9:.1f} GB (--ram-gb){hint}", file=sys.stderr)
         self.max_context = int(max_context or min(c.max_position, 4096))
         if self.device == "cuda":
             self.model = self._gpu_decoder(fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route,
@@ -498,8 +530,12 @@ class Engine:
         """Weight bytes one decode token reads: the dense side (the embedding table only when it
         is also the lm_head) and top-k experts in every MoE layer."""
         c = self.config
+        per_expert_dense = re.compile(r"\.experts\.\d+\.")   # gpt-oss's expert biases
         dense = sum(np.asarray(w).nbytes for n, w in self._dense.items()
-                    if not (n.endswith("embed_tokens.weight") and not c.tie_embeddings))
+                    if not (n.endswith("embed_tokens.weight") and not c.tie_embeddings)
+                    and not per_expert_dense.search(n))
+        biases = sum(np.asarray(w).nbytes for n, w in self._dense.items() if per_expert_dense.search(n))
+        dense += biases * c.top_k // max(c.n_experts, 1)   # a token's top-k of them
         if self.packed:
             per_expert = self.experts.block_bytes
         else:

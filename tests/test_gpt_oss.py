@@ -64,6 +64,11 @@ def test_config_refusals(tiny):
         family_of({**cfg, "sliding_window": None})
     c = family_of({**cfg, "layer_types": None}).config   # transformers' default: odd layers full
     assert c.layer_windows == (3, 0, 3)
+    # fields left out take transformers' GptOssConfig defaults
+    import transformers as tf
+    bare = {k: v for k, v in cfg.items() if k not in ("head_dim", "sliding_window")}
+    c, hf = family_of(bare).config, tf.GptOssConfig(**bare)
+    assert c.head_dim == hf.head_dim and max(c.layer_windows) == hf.sliding_window
 
 
 def random_mxfp4(rng, e, n, k, lo=0, hi=254):

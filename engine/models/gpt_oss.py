@@ -31,6 +31,8 @@ class GptOssConfig(MoeConfig):
                                       "original_max_position_embeddings": 4096}
         if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
             cfg["rope_theta"] = 150000.0
+        cfg.setdefault("head_dim", 64)          # not hidden / heads (2880 / 64 = 45)
+        cfg.setdefault("sliding_window", 128)
         f = MoeConfig.common_hf(cfg)
         f["rms_eps"] = float(cfg.get("rms_norm_eps") or 1e-5)
         f["attention_bias"] = bool(cfg.get("attention_bias", True))
