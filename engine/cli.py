@@ -18,7 +18,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         "K and V rounded as they are stored)")
     p.add_argument("--ram-gb", type=float, default=None,
                    help="host-RAM expert cache budget for packed models (default: fits the arena, "
-                        "at most half the available RAM)")
+                        "at most half the available RAM), and for experts an unpacked FP8 / NVFP4 / "
+                        "MXFP4 checkpoint builds on read (default: a quarter of it)")
     p.add_argument("--vram-gb", type=float, default=None,
                    help="GPU memory budget (default: 90%% of what is free)")
     p.add_argument("--hot-from", metavar="FILE", help="fill the VRAM hot set from a routing profile")
