@@ -63,34 +63,26 @@ def test_rope_full_and_partial(d, rot):
     assert np.array_equal(got[..., rot:], x[..., rot:])
 
 
-@pytest.mark.parametrize("hq,hkv,window", [(4, 4, 0), (8, 2, 0), (4, 1, 3)])
-def test_attention_gqa(hq, hkv, window):
+@pytest.mark.parametrize("hq,hkv,window,sinks", [(4, 4, 0, False), (8, 2, 0, False),
+                                                 (4, 1, 3, False), (4, 4, 0, True),
+                                                 (8, 2, 5, True), (4, 1, 1, True)])
+def test_attention_gqa(hq, hkv, window, sinks):
+    """sinks: gpt-oss's attention sinks, a per-head logit in the softmax denominator only."""
     s, d, t = 19, 16, 4
     q = rng.standard_normal((t, hq, d)).astype(np.float32)
     kc = rng.standard_normal((s, hkv, d)).astype(np.float32)
     vc = rng.standard_normal((s, hkv, d)).astype(np.float32)
-    pos = np.array([3, 9, 10, 18], dtype=np.int32)
+    sk = (rng.standard_normal(hq) * 2).astype(np.float32) if sinks else None
+    pos = np.array([0, 6, 7, 18] if sinks else [3, 9, 10, 18], dtype=np.int32)
     out = poisoned(q.shape)
-    cpu.attention_gqa(q, kc, vc, pos, np.float32(d ** -0.5), window, np.zeros(0, np.float32), out)
-    assert rel(out, ref.attention(q, kc, vc, pos, d ** -0.5, window)) < 1e-5
-
-
-@pytest.mark.parametrize("hq,hkv,window", [(4, 4, 0), (8, 2, 5), (4, 1, 1)])
-def test_attention_gqa_sinks(hq, hkv, window):
-    """gpt-oss's attention sinks: a per-head logit in the softmax denominator only."""
-    s, d, t = 17, 16, 4
-    q = rng.standard_normal((t, hq, d)).astype(np.float32)
-    kc = rng.standard_normal((s, hkv, d)).astype(np.float32)
-    vc = rng.standard_normal((s, hkv, d)).astype(np.float32)
-    sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
-    pos = np.array([0, 6, 7, 16], dtype=np.int32)
-    out = poisoned(q.shape)
-    cpu.attention_gqa(q, kc, vc, pos, np.float32(d ** -0.5), window, sinks, out)
-    want = ref.attention(q, kc, vc, pos, d ** -0.5, window, sinks)
+    cpu.attention_gqa(q, kc, vc, pos, np.float32(d ** -0.5), window,
+                      np.zeros(0, np.float32) if sk is None else sk, out)
+    want = ref.attention(q, kc, vc, pos, d ** -0.5, window, sk)
     assert rel(out, want) < 1e-5
-    assert rel(want, ref.attention(q, kc, vc, pos, d ** -0.5, window)) > 1e-2   # sinks matter
-    got = cpu.CpuOps().attention(q, kc, vc, pos, d ** -0.5, window, sinks)
-    assert rel(got, want) < 1e-5
+    if sinks:
+        assert rel(want, ref.attention(q, kc, vc, pos, d ** -0.5, window)) > 1e-2   # they matter
+        got = cpu.CpuOps().attention(q, kc, vc, pos, d ** -0.5, window, sk)
+        assert rel(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("limit,alpha", [(7.0, 1.702), (0.8, 1.702), (1.5, 0.9)])

@@ -216,8 +216,17 @@ class MoeDecoder:
         ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
         ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
         ops.kv_store(st.k[l], st.v[l], int(pos[0]), k, v, self.kv_bf16)
-        a = ops.attention(q, st.k[l], st.v[l], pos, c.head_dim ** -0.5, c.sliding_window)
+        a = ops.attention(q, st.k[l], st.v[l], pos, c.head_dim ** -0.5, self.window(l),
+                          self.sinks(l))
         return ops.linear(a.reshape(t, c.q_dim), w("o", l))
+
+    def window(self, l: int) -> int:
+        """Layer l's sliding window (0: full attention)."""
+        return self.c.sliding_window
+
+    def sinks(self, l: int):
+        """Layer l's attention-sink logits [Hq], or None."""
+        return None
 
     def dense_mlp(self, l: int, h):
         return self.ops.expert(h, (self.w("mlp_gate", l), self.w("mlp_up", l), self.w("mlp_down", l)))

@@ -68,25 +68,16 @@ def dense_spec(c: GptOssConfig) -> dict[str, tuple]:
 
 
 class GptOssDecoder(MoeDecoder):
+    def window(self, l: int) -> int:
+        return self.c.layer_windows[l]
+
+    def sinks(self, l: int):
+        return self.w("sinks", l)
+
     def attention(self, l: int, h, pos: np.ndarray, st):
-        c, ops, w = self.c, self.ops, self.w
-        t = h.shape[0]
-        q, k, v = ops.linear(h, w("q", l)), ops.linear(h, w("k", l)), ops.linear(h, w("v", l))
-        if c.attention_bias:
-            ops.add_(q, w("q_bias", l))
-            ops.add_(k, w("k_bias", l))
-            ops.add_(v, w("v_bias", l))
-        q = q.reshape(t, c.n_heads, c.head_dim)
-        k = k.reshape(t, c.n_kv_heads, c.head_dim)
-        v = v.reshape(t, c.n_kv_heads, c.head_dim)
-        ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
-        ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
-        ops.kv_store(st.k[l], st.v[l], int(pos[0]), k, v, self.kv_bf16)
-        a = ops.attention(q, st.k[l], st.v[l], pos, c.head_dim ** -0.5, c.layer_windows[l],
-                          w("sinks", l))
-        o = ops.linear(a.reshape(t, c.q_dim), w("o", l))
-        if c.attention_bias:
-            ops.add_(o, w("o_bias", l))
+        o = super().attention(l, h, pos, st)
+        if self.c.attention_bias:
+            self.ops.add_(o, self.w("o_bias", l))
         return o
 
     def moe(self, l: int, h):
