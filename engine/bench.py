@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
+from engine.runtime import KV_CACHE_KINDS
+
 PRESETS = {
     # a mid-size MoE that does not fit in CPU caches: 8 layers, 32 experts top-4, bf16
     "mid": {
@@ -245,7 +247,7 @@ def main(argv=None) -> int:
     p.add_argument("--speculate", action="store_true", help="speculative copies on (engine --speculate)")
     p.add_argument("--warm-ram", action="store_true",
                    help="fill the RAM cache with experts before the timed prefill (warm, not cold)")
-    p.add_argument("--kv-cache", choices=("f32", "bf16"), default="f32", help="engine --kv-cache")
+    p.add_argument("--kv-cache", choices=KV_CACHE_KINDS, default="f32", help="engine --kv-cache")
     p.add_argument("--profile", action="store_true",
                    help="print where the decode thread spends its time (cProfile, top 25)")
     a = p.parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engine.affinity import parse_cores, parse_decode_core
+from engine.runtime import KV_CACHE_KINDS
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
@@ -13,7 +14,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length in tokens: prompt + completion (default min(model's, 4096))")
-    p.add_argument("--kv-cache", choices=("f32", "bf16"), default="f32",
+    p.add_argument("--kv-cache", choices=KV_CACHE_KINDS, default="f32",
                    help="KV cache values: float32, or bfloat16 (half the cache's VRAM on cuda; "
                         "K and V rounded as they are stored)")
     p.add_argument("--ram-gb", type=float, default=None,
