@@ -6,10 +6,16 @@ drives it unchanged. All buffers are preallocated: the run state holds the KV ca
 activations for one token and for a prefill chunk, and the position in device memory.
 Per MoE layer at decode: dense work -> router top-k on the device -> ids to the host ->
 resolve slots (copies on the copy stream) -> one expert launch pair through the slot table.
+Streamed decode with graphs runs a token as one graph instead (DEVICE_RESOLVE): the router maps
+the ids to slots through a device table, and only a layer that routes to an expert not in VRAM
+stops for the host (gm.expert_gate; _serve_token).
 Legend: T = tokens, H = hidden, D = head dim, Hq / Hkv = heads, E = experts, K = top-k,
 I = expert intermediate, V = vocab, A = T * K assignments.
 """
 from __future__ import annotations
+
+import os
+import time
 
 import numpy as np
 from numba import cuda
@@ -25,6 +31,10 @@ from kernels_numba import gpu_sampling as gs
 PREFILL_CHUNKS = (2048, 1024, 512, 256)   # tokens per prefill pass, largest that fits first: a
                                           # prompt up to one chunk reads each expert once per layer
 GEMM_MIN_T = 8           # below this many tokens the matvec kernel beats the tiled GEMM
+# streamed decode as one graph a token, the host serving only the layers that miss VRAM
+# (MOE_STREAM_DEVICE_RESOLVE=0: a graph segment a layer, every layer's ids through the host)
+DEVICE_RESOLVE = os.environ.get("MOE_STREAM_DEVICE_RESOLVE", "1") != "0"
+SERVE_TIMEOUT_S = 120.0  # a token graph that neither finishes nor asks for blocks this long
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
@@ -174,7 +184,9 @@ class GpuDecoder:
         self._events = {l: (cuda.event(), cuda.event()) for l in c.moe_layers}
         moe = list(c.moe_layers)
         self.next_moe = {l: (moe[i + 1] if i + 1 < len(moe) else None) for i, l in enumerate(moe)}
-        self.slot_of_d = None   # int32 [L, E] device slot table when every expert is resident
+        self.slot_of_d = None   # int32 [L, E] device slot table (-1: not in VRAM, streamed)
+        self.device_resolve = DEVICE_RESOLVE
+        self._devres = False    # the captured graphs are the streamed one-graph kind
         self.rl_spec = cuda.device_array((1, c.n_experts), np.float32)
         self.ids_spec = cuda.device_array((1, c.top_k), np.int32)
         self.w_spec = cuda.device_array((1, c.top_k), np.float32)
@@ -456,6 +468,8 @@ class GpuDecoder:
         b, cs = self.one, self.cs
         b.tok.copy_to_device(b.tok_h, stream=cs)
         b.pos.copy_to_device(b.pos_h, stream=cs)
+        if self._devres:
+            self.seq_d.copy_to_device(self.seq_h, stream=cs)
 
     def _seg_embed(self):
         self._seg_feed()
@@ -549,18 +563,106 @@ class GpuDecoder:
         # warm-up runs execute for real: point them at the last cache row, which any real
         # sequence overwrites before it reads it (the feed runs first)
         b.tok_h[0], b.pos_h[0] = 0, st.max_context - 1
+        self._devres = self._use_devres()
+        if self._devres:
+            self._devres_setup()
         self._graphs = {k: capture_fn(f, cs) for k, f in self._segments(st).items()}
         cs.synchronize()
+        if self._devres:   # the warm-ups ran on a table of slot 0s: no gate stopped them
+            self.res.attach_table(self.slot_of_d)
+
+    # ---- streamed decode as one graph a token ---------------------------------------------------
+    # The router maps the ids through the device table slot_of_d (-1: not in VRAM) into
+    # slots_d[l]; gm.expert_gate passes when every slot is valid, else it puts the ids and a
+    # request (token number, layer) into mapped host memory and waits for flag_d[l]. The host
+    # (_serve_token, while the graph runs) resolves that layer as the per-layer path does, and
+    # on the copy stream, behind the copies: the table entries that changed (VramResidency keeps
+    # them), the layer's slots, then the flag. A layer's copies overwrite only slots no kernel
+    # still reads: every kernel before the gate has finished, and the layer's own experts are
+    # kept.
+
+    def _use_devres(self) -> bool:
+        return (self.device_resolve and self.use_graphs and not self.plan.all_resident
+                and not self.speculate and not self._dslot and self.route_override is None)
+
+    def _devres_setup(self) -> None:
+        c = self.c
+        zeros = np.zeros((c.n_layers, c.n_experts), np.int32)
+        if self.slot_of_d is None:
+            self.slot_of_d = cuda.to_device(zeros)
+        else:
+            self.xs.synchronize()   # (entries the residency mirrors land before the zeros)
+            self.slot_of_d.copy_to_device(zeros)
+        self.flag_d = cuda.to_device(np.full(c.n_layers, -1, np.int32))
+        self.seq_h = cuda.pinned_array(1, np.int32)
+        self.seq_h[0] = 0
+        self.seq_d = cuda.to_device(np.zeros(1, np.int32))
+        self.req_h = cuda.mapped_array(1, np.int64)     # token number << REQ_SHIFT | layer
+        self.req_h[0] = -1
+        self.ids_req_h = cuda.mapped_array((c.n_layers, c.top_k), np.int32)
+        self._seq = 0
+        self._done = cuda.event()
+        self._writer = None
+
+    def _serve_token(self) -> list:
+        """While the token graph runs: serve the layers whose gate asks for blocks, until the
+        graph has finished; returns the (copy start, flag written) events of each served layer."""
+        from engine.residency import DeviceWriter
+        from kernels_numba.gpu_misc import REQ_SHIFT
+        if self._writer is None:
+            self._writer = DeviceWriter(self.xs)
+        seq, mask = self._seq, (1 << REQ_SHIFT) - 1
+        served, last = [], -1
+        t_last = time.perf_counter()
+        try:
+            while True:
+                v = int(self.req_h[0])
+                if v >> REQ_SHIFT == seq and (v & mask) != last:
+                    last = v & mask
+                    served.append(self._serve_layer(last, seq))
+                    t_last = time.perf_counter()
+                    continue
+                if self._done.query():
+                    return served
+                if time.perf_counter() - t_last > SERVE_TIMEOUT_S:
+                    raise RuntimeError(f"streamed decode: the token graph neither finished nor "
+                                       f"asked for blocks in {SERVE_TIMEOUT_S:.0f} s (last layer "
+                                       f"served: {last})")
+        except BaseException:
+            # (a read error, an interrupt): let the graph run out on slot 0 everywhere, so the
+            # device is free when the error reaches the caller; the next token recaptures
+            w = self._writer
+            w.fill(self.slot_of_d, 0)
+            w.fill(self.slots_d, 0)
+            w.fill(self.flag_d, seq)
+            self.cs.synchronize()
+            self._drop_graphs()
+            raise
+
+    def _serve_layer(self, l: int, seq: int):
+        ids = np.array(self.ids_req_h[l])
+        ev0, ev1 = self._events[l]
+        ev0.record(self.xs)
+        self.slots_h[l] = self.res.resolve(l, ids, wait=False)
+        self._writer.put(self.slots_d[l], self.slots_h[l])
+        self._writer.set(self.flag_d, l, seq)
+        ev1.record(self.xs)
+        self._served_layers.add(l)
+        return ev0, ev1
 
     def _segments(self, st) -> dict:
         """name -> fn(stream): the launches of a decode token, in the order of a first run."""
         c, cs, b = self.c, self.cs, self.one
-        if self._resident_all():
+        if self._devres or self._resident_all():
             def token(s):
                 gd.embed(b.tok, self.w("embed"), b.x, cs)
                 for l in range(c.n_layers):
                     self._seg_layer_dense(l, st, device_ids=True)
                     if l in c.moe_layers:
+                        if self._devres:
+                            gm.expert_gate(self.slots_d[l], self.ids_all_d[l], self.seq_d,
+                                           self.flag_d[l:l + 1], self.req_h, self.ids_req_h[l],
+                                           l, cs)
                         self._seg_experts(l, True)
                 self.ids_all_d.copy_to_host(self.ids_all_h, stream=cs)   # every layer's at once
                 self._seg_head()
@@ -582,17 +684,33 @@ class GpuDecoder:
         """One token through the graphs -> logits float32 [1, V], or with sample its id drawn
         on the device with the setting in slot 0 of samp_h."""
         c, cs, b = self.c, self.cs, self.one
+        if self._graphs is not None and self._devres != self._use_devres():
+            self._drop_graphs()   # (a benchmark's routing override, speculation turned on)
         if self._graphs is None:
             self._capture(st)
         g = self._graphs
         tail = g[("sample", 0) if sample else "logits"]
         b.tok_h[0], b.pos_h[0] = tid, st.pos
         if "token" in g:
+            if self._devres:
+                self._seq = self._seq % 0x7FFFFFFF + 1
+                self.seq_h[0] = self._seq
+                self._served_layers = set()
             g["feed"].launch(cs)
             g["token"].launch(cs)
             tail.launch(cs)
+            if self._devres:
+                self._done.record(cs)
+                served = self._serve_token()
             cs.synchronize()
-            self.res.stats.vram_hits += len(c.moe_layers) * c.top_k
+            if self._devres:
+                for l in c.moe_layers:
+                    if l not in self._served_layers:
+                        self.res.touch(l, self.ids_all_h[l])
+                self.res.stats.h2d_wait_s += 1e-3 * sum(
+                    max(cuda.event_elapsed_time(a, z), 0.0) for a, z in served)
+            else:
+                self.res.stats.vram_hits += len(c.moe_layers) * c.top_k
             if self.on_route is not None:
                 for l in c.moe_layers:
                     self.on_route(l, np.array(self.ids_all_h[l:l + 1]))

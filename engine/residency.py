@@ -74,6 +74,54 @@ def h2d_copier(bank, stream):
     return copy
 
 
+class DeviceWriter:
+    """Small writes into device int32 arrays on a stream, ordered with the copies on it:
+    set(a, i, v) writes a.flat[i] = v and fill(a, v) all of a (cuMemsetD32Async: no host buffer
+    to keep alive), put(a, h) copies the pinned host array h into a. numba's copies (synchronous) under the simulator."""
+
+    def __init__(self, stream):
+        from kernels_numba.gpu_util import SIM
+        self.stream = stream
+        self.sim = SIM
+        if not SIM:
+            from cuda.bindings import driver
+
+            from engine.graphs import stream_handle
+            self._drv = driver
+            self._h = stream_handle(stream)
+
+    @staticmethod
+    def _ptr(a) -> int:
+        return int(a.__cuda_array_interface__["data"][0])
+
+    def _check(self, err, what: str) -> None:
+        if err != self._drv.CUresult.CUDA_SUCCESS:
+            raise ResidencyError(f"{what} failed: {err.name}")
+
+    def set(self, a, i: int, v: int) -> None:
+        if self.sim:
+            a.reshape(-1)[i:i + 1].copy_to_device(np.array([v], np.int32))
+            return
+        (err,) = self._drv.cuMemsetD32Async(self._ptr(a) + 4 * int(i), int(v) & 0xFFFFFFFF, 1,
+                                            self._h)
+        self._check(err, f"cuMemsetD32Async of entry {i}")
+
+    def fill(self, a, v: int) -> None:
+        """Every entry of the contiguous int32 array a = v."""
+        if self.sim:
+            a.copy_to_device(np.full(a.shape, v, np.int32))
+            return
+        (err,) = self._drv.cuMemsetD32Async(self._ptr(a), int(v) & 0xFFFFFFFF, a.size, self._h)
+        self._check(err, f"cuMemsetD32Async of {a.size} entries")
+
+    def put(self, a, h: np.ndarray) -> None:
+        if self.sim:
+            a.copy_to_device(h)
+            return
+        (err,) = self._drv.cuMemcpyHtoDAsync(self._ptr(a), h.ctypes.data, h.nbytes, self._h)
+        self._check(err, f"cuMemcpyHtoDAsync of {h.nbytes} bytes")
+
+
 class VramResidency:
     """host: an object with get(layer, expert) -> uint8 [B] block (pinned where it can be) and
     contains(layer, expert) -> bool (is it in host RAM already)."""
@@ -94,7 +142,24 @@ class VramResidency:
         self._evt = cuda.event()
         self._copy = h2d_copier(self.bank, copy_stream)
         self._spec: dict = {}       # layer -> (event, predicted keys, keys copied on the prediction)
+        self._table = None          # (device int32 [L, E] mirror of slot_of, its DeviceWriter)
         self.spec_recent = 1.0      # running accuracy of the predictions (starts trusting them)
+
+    def attach_table(self, table) -> None:
+        """From now on keep the device int32 [L, E] table equal to slot_of, -1 where an expert
+        is not in VRAM: written whole here, then an entry a placement or eviction, on the copy
+        stream ahead of the copies that follow."""
+        host = np.full(table.shape, -1, np.int32)
+        for (layer, e), slot in self.slot_of.items():
+            host[layer, e] = slot
+        table.copy_to_device(host, stream=self.xs)
+        self.xs.synchronize()
+        self._table = (table, DeviceWriter(self.xs))
+
+    def _mirror(self, key, slot: int) -> None:
+        if self._table is not None:
+            table, w = self._table
+            w.set(table, key[0] * table.shape[1] + key[1], slot)
 
     @property
     def n_slots(self) -> int:
@@ -131,6 +196,7 @@ class VramResidency:
                 self._copy(slot, block, self.block_bytes)
                 self.stats.h2d_bytes += self.block_bytes
                 self.slot_of[key] = slot
+                self._mirror(key, slot)
                 if hot:
                     self.hot.add(key)
                 else:
@@ -193,9 +259,10 @@ class VramResidency:
         self.stats.spec_copies += len(todo)
         self._spec[layer] = (evt, set(keys), set(todo))
 
-    def resolve(self, layer: int, experts, protect=(), after=None) -> list[int]:
+    def resolve(self, layer: int, experts, protect=(), after=None, wait: bool = True) -> list[int]:
         """Slots of (layer, e) for e in experts, copying in what is not resident. Afterwards
-        `copied` says whether this call issued copies (the compute stream then waits for them)."""
+        `copied` says whether this call issued copies (the compute stream then waits for them;
+        wait False: the caller orders the compute after them itself)."""
         t0 = time.perf_counter()
         keys = [(layer, e) for e in (experts.tolist() if hasattr(experts, "tolist")
                                      else map(int, experts))]
@@ -231,17 +298,28 @@ class VramResidency:
             if after is not None:
                 after.wait(self.xs)
             self._place(missing, hot=False, keep=keep)
-            self._evt.record(self.xs)
-            self._evt.wait(self.cs)
+            if wait:
+                self._evt.record(self.xs)
+                self._evt.wait(self.cs)
         self.copied = bool(missing)
         self.stats.issue_s += time.perf_counter() - t0
         return [self.slot_of[k] for k in keys]
+
+    def touch(self, layer: int, experts) -> None:
+        """VRAM hits the device resolved on its own (the streamed token graph): counted, and
+        their LRU recency refreshed."""
+        for e in experts:
+            key = (layer, int(e))
+            self.stats.vram_hits += 1
+            if key in self.lru:
+                self.lru.move_to_end(key)
 
     def _evict(self, keep) -> int:
         for key in self.lru:
             if key not in keep:
                 slot = self.lru.pop(key)
                 del self.slot_of[key]
+                self._mirror(key, -1)
                 return slot
         raise ResidencyError(f"all {self.n_slots} VRAM expert slots are pinned or in use by the "
                              f"current batch; the plan needs more slots")

@@ -1,6 +1,6 @@
 """Small CUDA kernels the decoder needs beside the dense / attention / expert families:
 KV-cache store at device positions, bias add, clamp, SwiGLU of a dense MLP, slot mapping,
-position advance.
+position advance, the expert gate of a streamed token graph.
 
 Legend: T = tokens, Hkv = kv heads, D = head dim, S = cache positions, N = a row's size.
 Every launcher takes an explicit stream, allocates nothing and never syncs (graph-capturable).
@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32, int64
 
-from .gpu_util import SIM, cdiv, pdl_kernel, pdl_trigger, pdl_wait, putter
+from .gpu_util import (SIM, cdiv, fence_system, pause, pdl_kernel, pdl_trigger, pdl_wait,
+                        putter)
 
 THREADS = 64 if SIM else 256
 
@@ -123,3 +124,38 @@ def advance(pos, stream):
     """pos int32 [1] += 1 on the device: the next decode token's position, when the host does
     not wait for this one before launching the next (pipelined decode)."""
     _advance[1, 1, stream](pos)
+
+
+REQ_SHIFT = 16   # a request word: token number << REQ_SHIFT | layer
+
+
+@pdl_kernel
+@cuda.jit
+def _expert_gate(slots, ids, seq, flag, req, ids_out, layer):
+    """One thread. slots int32 [K] (the router's, -1 where the expert is not in VRAM), ids
+    int32 [K], seq int32 [1] (this token's number), flag int32 [1] (the layer's), req int64 [1]
+    and ids_out int32 [K] in mapped host memory."""
+    pdl_wait()
+    miss = False
+    for k in range(slots.shape[0]):
+        if slots[k] < 0:
+            miss = True
+    if not miss:
+        return
+    for k in range(ids.shape[0]):
+        ids_out[k] = ids[k]
+    fence_system()                     # the ids before the request
+    s = seq[0]
+    req[0] = (int64(s) << REQ_SHIFT) | int64(layer)
+    fence_system()
+    while cuda.atomic.add(flag, 0, int32(0)) != s:   # (an atomic: no stale cached copy)
+        pause()
+
+
+def expert_gate(slots, ids, seq, flag, req, ids_out, layer: int, stream):
+    """The streamed token graph's stop before a MoE layer's experts: when the router mapped
+    every routed expert to a VRAM slot (slots >= 0) it passes; otherwise it hands the layer's
+    ids to the host (ids_out, then req = seq << REQ_SHIFT | layer, both in mapped memory) and
+    waits until the host, having copied the missing blocks in and written their slots, sets
+    flag[0] to seq (on its copy stream, after the copies)."""
+    _expert_gate[1, 1, stream](slots, ids, seq, flag, req, ids_out, int32(layer))

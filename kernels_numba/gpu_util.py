@@ -346,6 +346,26 @@ else:
     pdl_trigger = _griddep("launch_dependents")
 
 
+if SIM:
+    @cuda.jit(device=True)
+    def fence_system():
+        pass
+
+    @cuda.jit(device=True)
+    def pause():
+        pass
+else:
+    @cuda.jit(device=True, inline=True)
+    def fence_system():
+        """Orders this thread's writes to mapped host memory for the host (membar.sys)."""
+        cuda.threadfence_system()
+
+    @cuda.jit(device=True, inline=True)
+    def pause():
+        """Backs a spinning thread off for about a microsecond."""
+        cuda.nanosleep(1000)
+
+
 def aligned(nbytes: int, *arrays) -> bool:
     """Every row of the device arrays starts on nbytes and is contiguous (the vector loads of
     make_ld: 16 bytes for ld4, 8 for ld2). Always true under the simulator."""

@@ -51,6 +51,12 @@ def test_streaming_under_tiny_budgets_same_tokens(tmp_path, fmt):
     assert small.plan.hot_slots == 0
     b = small.generate(prompt, max_new_tokens=24)
     assert a.output_ids == b.output_ids
+    # one graph a token, the host serving the layers that route to experts not in VRAM; the
+    # per-layer path (every layer's ids through the host) gives the same tokens
+    assert small.gpu._devres and b.stats["vram"]["h2d_wait_s"] > 0
+    small.gpu.device_resolve = False
+    assert small.generate(prompt, max_new_tokens=24).output_ids == a.output_ids
+    assert not small.gpu._devres
     cpu = engine.load(tmp_path / "p", device="cpu").generate(prompt, max_new_tokens=24)
     assert cpu.output_ids == a.output_ids
     st = b.stats["vram"]

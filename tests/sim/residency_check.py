@@ -93,7 +93,56 @@ def main():
         r.resolve(layer, [0, 1])
     assert r.stats.spec_routed == 2 * (layer + 1) and r.stats.spec_copies == copies
     bank_matches(r)
+    device_table_and_gate(xs, cs)
     print("OK")
+
+
+def table_matches(r, table):
+    want = np.full(table.shape, -1, np.int32)
+    for (l, e), slot in r.slot_of.items():
+        want[l, e] = slot
+    assert np.array_equal(table.copy_to_host(), want)
+
+
+def device_table_and_gate(xs, cs):
+    """The streamed token graph's pieces: the device slot table kept equal to slot_of through
+    placements and evictions, the slots and flag writes, and the gate kernel's request."""
+    from engine.residency import DeviceWriter
+    from kernels_numba import gpu_misc as gm
+    host = Host(in_ram=set())
+    r = VramResidency(5, B, host, xs, cs)
+    r.pin_hot([(0, 0)])
+    r.resolve(1, [3, 4])
+    table = cuda.to_device(np.zeros((3, 8), np.int32))
+    r.attach_table(table)
+    table_matches(r, table)
+    for layer, ids in [(2, [1, 2]), (1, [5]), (2, [6, 7]), (0, [0, 3])]:
+        r.resolve(layer, ids, wait=False)   # evictions of older keys on the way
+        table_matches(r, table)
+    assert (0, 0) in r.slot_of and len(r.slot_of) == 5
+    w = DeviceWriter(xs)
+    slots = cuda.to_device(np.zeros(4, np.int32))
+    w.put(slots, np.array([3, -1, 2, 7], np.int32))
+    flag = cuda.to_device(np.full(3, -1, np.int32))
+    w.set(flag, 2, 41)
+    assert list(slots.copy_to_host()) == [3, -1, 2, 7] and list(flag.copy_to_host()) == [-1, -1, 41]
+
+    # the gate: every slot valid -> no request; one missing -> the ids and the request go out,
+    # and it returns once the flag holds the token number (set beforehand here: the simulator
+    # runs a launch to its end)
+    req = cuda.mapped_array(1, np.int64)
+    req[0] = -1
+    ids_out = cuda.mapped_array(4, np.int32)
+    ids_out[:] = 0
+    ids = cuda.to_device(np.array([9, 4, 6, 1], np.int32))
+    seq = cuda.to_device(np.array([41], np.int32))
+    gm.expert_gate(cuda.to_device(np.array([3, 0, 2, 7], np.int32)), ids, seq, flag[2:3], req,
+                   ids_out, 2, cs)
+    cs.synchronize()
+    assert req[0] == -1 and list(ids_out) == [0, 0, 0, 0]
+    gm.expert_gate(slots, ids, seq, flag[2:3], req, ids_out, 2, cs)
+    cs.synchronize()
+    assert req[0] == (41 << gm.REQ_SHIFT) | 2 and list(ids_out) == [9, 4, 6, 1]
 
 
 main()
