@@ -661,8 +661,7 @@ class GpuDecoder:
                     if l in c.moe_layers:
                         if self._devres:
                             gm.expert_gate(self.slots_d[l], self.ids_all_d[l], self.seq_d,
-                                           self.flag_d[l:l + 1], self.req_h, self.ids_req_h[l],
-                                           l, cs)
+                                           self.flag_d, self.req_h, self.ids_req_h, l, cs)
                         self._seg_experts(l, True)
                 self.ids_all_d.copy_to_host(self.ids_all_h, stream=cs)   # every layer's at once
                 self._seg_head()

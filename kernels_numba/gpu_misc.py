@@ -133,8 +133,8 @@ REQ_SHIFT = 16   # a request word: token number << REQ_SHIFT | layer
 @cuda.jit
 def _expert_gate(slots, ids, seq, flag, req, ids_out, layer):
     """One thread. slots int32 [K] (the router's, -1 where the expert is not in VRAM), ids
-    int32 [K], seq int32 [1] (this token's number), flag int32 [1] (the layer's), req int64 [1]
-    and ids_out int32 [K] in mapped host memory."""
+    int32 [K], seq int32 [1] (this token's number), flag int32 [L], req int64 [1] and ids_out
+    int32 [L, K] in mapped host memory."""
     pdl_wait()
     miss = False
     for k in range(slots.shape[0]):
@@ -143,19 +143,20 @@ def _expert_gate(slots, ids, seq, flag, req, ids_out, layer):
     if not miss:
         return
     for k in range(ids.shape[0]):
-        ids_out[k] = ids[k]
+        ids_out[layer, k] = ids[k]
     fence_system()                     # the ids before the request
     s = seq[0]
     req[0] = (int64(s) << REQ_SHIFT) | int64(layer)
     fence_system()
-    while cuda.atomic.add(flag, 0, int32(0)) != s:   # (an atomic: no stale cached copy)
+    while cuda.atomic.add(flag, layer, int32(0)) != s:   # (an atomic: no stale cached copy)
         pause()
 
 
 def expert_gate(slots, ids, seq, flag, req, ids_out, layer: int, stream):
     """The streamed token graph's stop before a MoE layer's experts: when the router mapped
     every routed expert to a VRAM slot (slots >= 0) it passes; otherwise it hands the layer's
-    ids to the host (ids_out, then req = seq << REQ_SHIFT | layer, both in mapped memory) and
-    waits until the host, having copied the missing blocks in and written their slots, sets
-    flag[0] to seq (on its copy stream, after the copies)."""
+    ids to the host (ids_out[layer], then req = seq << REQ_SHIFT | layer, both in mapped
+    memory: pass whole mapped arrays, not slices) and waits until the host, having copied the
+    missing blocks in and written their slots, sets flag[layer] to seq (on its copy stream,
+    after the copies)."""
     _expert_gate[1, 1, stream](slots, ids, seq, flag, req, ids_out, int32(layer))

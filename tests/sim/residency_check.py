@@ -132,17 +132,18 @@ def device_table_and_gate(xs, cs):
     # runs a launch to its end)
     req = cuda.mapped_array(1, np.int64)
     req[0] = -1
-    ids_out = cuda.mapped_array(4, np.int32)
+    ids_out = cuda.mapped_array((3, 4), np.int32)
     ids_out[:] = 0
     ids = cuda.to_device(np.array([9, 4, 6, 1], np.int32))
     seq = cuda.to_device(np.array([41], np.int32))
-    gm.expert_gate(cuda.to_device(np.array([3, 0, 2, 7], np.int32)), ids, seq, flag[2:3], req,
+    gm.expert_gate(cuda.to_device(np.array([3, 0, 2, 7], np.int32)), ids, seq, flag, req,
                    ids_out, 2, cs)
     cs.synchronize()
-    assert req[0] == -1 and list(ids_out) == [0, 0, 0, 0]
-    gm.expert_gate(slots, ids, seq, flag[2:3], req, ids_out, 2, cs)
+    assert req[0] == -1 and not ids_out.any()
+    gm.expert_gate(slots, ids, seq, flag, req, ids_out, 2, cs)
     cs.synchronize()
-    assert req[0] == (41 << gm.REQ_SHIFT) | 2 and list(ids_out) == [9, 4, 6, 1]
+    assert req[0] == (41 << gm.REQ_SHIFT) | 2 and list(ids_out[2]) == [9, 4, 6, 1]
+    assert not ids_out[:2].any()
 
 
 main()
