@@ -13,8 +13,9 @@ import numpy as np
 
 def _best_gbps(copy, nbytes: int, repeats: int, stream) -> float:
     """nbytes / time of copy(), timed on the stream by events around `repeats` copies issued
-    back to back (host timing of one synchronized copy each read the HBM copy 20-35 % low and
-    moved between runs: the GPU idles, and its clocks drop, between synchronized copies)."""
+    back to back. Host timing of one synchronized copy at a time read the H200's HBM copy at
+    2597-3187 GB/s against 4117 back to back in the same process (docs/PERF.md, tenth session):
+    the GPU idles between synchronized copies."""
     from numba import cuda
     copy()
     stream.synchronize()
