@@ -185,6 +185,7 @@ class GpuDecoder:
         moe = list(c.moe_layers)
         self.next_moe = {l: (moe[i + 1] if i + 1 < len(moe) else None) for i, l in enumerate(moe)}
         self.slot_of_d = None   # int32 [L, E] device slot table (-1: not in VRAM, streamed)
+        self._all_loaded = False  # every expert placed in its own slot (_resident_all)
         self.device_resolve = DEVICE_RESOLVE
         self._devres = False    # the captured graphs are the streamed one-graph kind
         self.rl_spec = cuda.device_array((1, c.n_experts), np.float32)
@@ -536,7 +537,7 @@ class GpuDecoder:
         c = self.c
         if not self.plan.all_resident:
             return False
-        if self.slot_of_d is None:
+        if not self._all_loaded:
             from tqdm import tqdm
             keys = [(l, e) for l in c.moe_layers for e in range(c.n_experts)]
             with tqdm(total=len(keys), desc="experts -> VRAM", unit="block",
@@ -547,6 +548,7 @@ class GpuDecoder:
                 table[l, e] = slot
             self.slot_of_d = cuda.to_device(table, stream=self.cs)
             self.cs.synchronize()
+            self._all_loaded = True
         return True
 
     def _drop_graphs(self):
@@ -579,7 +581,9 @@ class GpuDecoder:
     # on the copy stream, behind the copies: the table entries that changed (VramResidency keeps
     # them), the layer's slots, then the flag. A layer's copies overwrite only slots no kernel
     # still reads: every kernel before the gate has finished, and the layer's own experts are
-    # kept.
+    # kept. The layers that did not stop are counted and their LRU recency refreshed after the
+    # token (their ids come back with it), so within a token a stop may evict an expert an
+    # earlier layer of the same token hit.
 
     def _use_devres(self) -> bool:
         return (self.device_resolve and self.use_graphs and not self.plan.all_resident
@@ -602,15 +606,13 @@ class GpuDecoder:
         self.ids_req_h = cuda.mapped_array((c.n_layers, c.top_k), np.int32)
         self._seq = 0
         self._done = cuda.event()
-        self._writer = None
+        from engine.residency import DeviceWriter
+        self._writer = DeviceWriter(self.xs)
 
     def _serve_token(self) -> list:
         """While the token graph runs: serve the layers whose gate asks for blocks, until the
         graph has finished; returns the (copy start, flag written) events of each served layer."""
-        from engine.residency import DeviceWriter
         from kernels_numba.gpu_misc import REQ_SHIFT
-        if self._writer is None:
-            self._writer = DeviceWriter(self.xs)
         seq, mask = self._seq, (1 << REQ_SHIFT) - 1
         served, last = [], -1
         t_last = time.perf_counter()
@@ -629,14 +631,14 @@ class GpuDecoder:
                                        f"asked for blocks in {SERVE_TIMEOUT_S:.0f} s (last layer "
                                        f"served: {last})")
         except BaseException:
-            # (a read error, an interrupt): let the graph run out on slot 0 everywhere, so the
-            # device is free when the error reaches the caller; the next token recaptures
-            w = self._writer
-            w.fill(self.slot_of_d, 0)
-            w.fill(self.slots_d, 0)
-            w.fill(self.flag_d, seq)
-            self.cs.synchronize()
-            self._drop_graphs()
+            # (a read error, an interrupt): release every gate, so the graph runs out (on slot 0
+            # where a slot is missing: the gate clamps) and the device is free when the error
+            # reaches the caller; the next token recaptures
+            try:
+                self._writer.fill(self.flag_d, seq)
+                self.cs.synchronize()
+            finally:
+                self._drop_graphs()
             raise
 
     def _serve_layer(self, l: int, seq: int):
@@ -692,15 +694,25 @@ class GpuDecoder:
         b.tok_h[0], b.pos_h[0] = tid, st.pos
         if "token" in g:
             if self._devres:
-                self._seq = self._seq % 0x7FFFFFFF + 1
+                if self._seq == 0x7FFFFFFF:   # no flag may hold a token number still to come
+                    self._writer.fill(self.flag_d, -1)
+                    self.xs.synchronize()
+                    self._seq = 0
+                self._seq += 1
                 self.seq_h[0] = self._seq
                 self._served_layers = set()
-            g["feed"].launch(cs)
-            g["token"].launch(cs)
-            tail.launch(cs)
-            if self._devres:
-                self._done.record(cs)
-                served = self._serve_token()
+                # no deferred frees while a gate may wait on the host: a free can synchronize
+                # the device, which would wait for the gate
+                with cuda.defer_cleanup():
+                    g["feed"].launch(cs)
+                    g["token"].launch(cs)
+                    tail.launch(cs)
+                    self._done.record(cs)
+                    served = self._serve_token()
+            else:
+                g["feed"].launch(cs)
+                g["token"].launch(cs)
+                tail.launch(cs)
             cs.synchronize()
             if self._devres:
                 for l in c.moe_layers:

@@ -30,6 +30,7 @@ class VramStats:
     dense_h2d_bytes: int = 0   # of h2d_bytes, dense weights of layers streamed from host RAM
     host_wait_s: float = 0.0   # time the decode thread spent getting blocks from the host tier
     h2d_wait_s: float = 0.0    # decode: time the compute stream stood waiting for expert copies
+                               # (one graph a token: the copy stream's, host resolve to flag)
     issue_s: float = 0.0       # time the decode thread spent resolving slots and issuing copies
     spec_predicted: int = 0    # routed experts the speculative router had predicted
     spec_routed: int = 0       # routed experts in layers that had a prediction

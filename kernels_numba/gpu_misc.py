@@ -150,6 +150,8 @@ def _expert_gate(slots, ids, seq, flag, req, ids_out, layer):
     fence_system()
     while cuda.atomic.add(flag, layer, int32(0)) != s:   # (an atomic: no stale cached copy)
         pause()
+    for k in range(slots.shape[0]):    # a slot the host left missing (it gave up on an error)
+        cuda.atomic.max(slots, k, int32(0))
 
 
 def expert_gate(slots, ids, seq, flag, req, ids_out, layer: int, stream):

@@ -200,19 +200,32 @@ def tiny_qwen(tmp_path):
     return tmp_path / "m"
 
 
+def load_streamed(packed, **load):
+    """engine.load (cuda) at the VRAM minimum, two banks of top-k and nothing hot, so decode
+    streams experts from the first token on (a plan edited after loading would have them all
+    in VRAM already)."""
+    import engine
+    big = engine.load(packed, device="cuda", **load)
+    bb = big.gpu.res.block_bytes
+    vram = (big.plan.vram_used - big.plan.hot_slots * bb) / 1e9
+    del big
+    g = engine.load(packed, device="cuda", vram_gb=vram, **load)
+    assert g.plan.hot_slots == 0 and not g.plan.all_resident
+    return g
+
+
 def check_graph_replay_equals_eager(packed, prompt, resident: bool, **load) -> None:
     """cuda backend on a packed folder: decode replayed as CUDA graphs (one per token, resident
     or streamed; and the streamed path's per-layer segments) gives the eager path's tokens and
     the CPU backend's. load: engine.load keywords for both backends."""
     import engine
-    g = engine.load(packed, device="cuda", **load)
-    if not resident:   # force the streaming path: a plan without every expert resident
-        g.gpu.plan = type(g.plan)(**{**g.plan.__dict__, "hot_slots": 0})
+    g = engine.load(packed, device="cuda", **load) if resident else load_streamed(packed, **load)
     a = g.generate(prompt, max_new_tokens=20)
     # one graph a token both ways: every expert resident, or streamed with the host serving
     # the layers that miss VRAM while the graph runs
     assert g.gpu._graphs is not None and "token" in g.gpu._graphs and g.gpu._devres != resident
-    if not resident:   # the streamed path's per-layer graph segments give the same tokens
+    if not resident:   # layers were served; the per-layer graph segments give the same tokens
+        assert a.stats["vram"]["h2d_wait_s"] > 0
         g.gpu.device_resolve = False
         assert g.generate(prompt, max_new_tokens=20).output_ids == a.output_ids
         assert "token" not in g.gpu._graphs
@@ -232,9 +245,7 @@ def check_device_sampling_equals_host(packed, prompt, resident: bool, n: int = 2
     a fixed seed give the host sampler's stream from the logits, greedy and sampled; so does the
     eager decode step."""
     import engine
-    g = engine.load(packed, device="cuda")
-    if not resident:
-        g.gpu.plan = type(g.plan)(**{**g.plan.__dict__, "hot_slots": 0})
+    g = engine.load(packed, device="cuda") if resident else load_streamed(packed)
     for kw in SAMPLED:
         g.sample_on_device = True
         a = g.generate(prompt, max_new_tokens=n, **kw)

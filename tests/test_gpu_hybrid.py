@@ -458,6 +458,10 @@ def test_streaming_under_tiny_vram_same_tokens(tmp_path):
     b = small.generate(prompt, max_new_tokens=24)
     assert a.output_ids == b.output_ids
     assert b.stats["vram"]["disk_reads"] > 0
+    # one graph a token, layers served by the host; the per-layer path gives the same tokens
+    assert small.gpu._devres and b.stats["vram"]["h2d_wait_s"] > 0
+    small.gpu.device_resolve = False
+    assert small.generate(prompt, max_new_tokens=24).output_ids == a.output_ids
 
 
 if __name__ == "__main__":

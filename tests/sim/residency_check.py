@@ -144,6 +144,30 @@ def device_table_and_gate(xs, cs):
     cs.synchronize()
     assert req[0] == (41 << gm.REQ_SHIFT) | 2 and list(ids_out[2]) == [9, 4, 6, 1]
     assert not ids_out[:2].any()
+    assert list(slots.copy_to_host()) == [3, 0, 2, 7]   # a slot left missing is clamped
+
+    # the gate waits: another thread plays the host, writes the slots, then the flag
+    import threading
+    import time
+    slots = cuda.to_device(np.array([-1, 5], np.int32))
+    seq = cuda.to_device(np.array([42], np.int32))
+
+    seen = []
+
+    def host():
+        time.sleep(0.3)
+        seen.append(int(req[0]))                       # asked before the host answered
+        slots.copy_to_device(np.array([4, 5], np.int32))
+        flag[1:2].copy_to_device(np.array([42], np.int32))
+    th = threading.Thread(target=host)
+    t0 = time.perf_counter()
+    th.start()
+    gm.expert_gate(slots, ids[:2], seq, flag, req, ids_out, 1, cs)
+    cs.synchronize()
+    th.join()
+    assert seen == [(42 << gm.REQ_SHIFT) | 1]
+    assert time.perf_counter() - t0 >= 0.3 and list(slots.copy_to_host()) == [4, 5]
+    assert list(ids_out[1][:2]) == [9, 4]
 
 
 main()
