@@ -360,10 +360,21 @@ else:
         """Orders this thread's writes to mapped host memory for the host (membar.sys)."""
         cuda.threadfence_system()
 
-    @cuda.jit(device=True, inline=True)
-    def pause():
-        """Backs a spinning thread off for about a microsecond."""
-        cuda.nanosleep(1000)
+    @intrinsic
+    def pause(typingctx):
+        """Backs a spinning thread off for about a microsecond (nanosleep: sm_70 and later;
+        before, the thread just spins)."""
+        def codegen(context, builder, sig, args):
+            try:
+                sleep = cuda.get_current_device().compute_capability >= (7, 0)
+            except Exception:
+                sleep = False
+            if sleep:
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "nanosleep.u32 1000;",
+                                   "~{memory}", side_effect=True)
+                builder.call(asm, [])
+            return context.get_dummy_value()
+        return types.none(), codegen
 
 
 def aligned(nbytes: int, *arrays) -> bool:
