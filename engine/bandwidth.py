@@ -11,24 +11,27 @@ import functools
 import numpy as np
 
 
-def _best_gbps(copy, nbytes: int, repeats: int, stream) -> float:
-    """nbytes / time of copy(), timed on the stream by events around `repeats` copies issued
-    back to back. Host timing of one synchronized copy at a time read the H200's HBM copy at
-    2597-3187 GB/s against 4117 back to back in the same process (docs/PERF.md, tenth session):
-    the GPU idles between synchronized copies."""
+def time_ms(stream, fn, reps: int) -> float:
+    """ms a call of fn(), which launches on the stream: warmed once, then timed by events
+    around reps calls issued back to back."""
     from numba import cuda
-    copy()
+    fn()
     stream.synchronize()
-    best = 0.0
-    for _ in range(2):
-        e0, e1 = cuda.event(), cuda.event()
-        e0.record(stream)
-        for _ in range(repeats):
-            copy()
-        e1.record(stream)
-        e1.synchronize()
-        best = max(best, nbytes * repeats / (e0.elapsed_time(e1) * 1e-3) / 1e9)
-    return best
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(stream)
+    for _ in range(reps):
+        fn()
+    e1.record(stream)
+    e1.synchronize()
+    return e0.elapsed_time(e1) / reps
+
+
+def _best_gbps(copy, nbytes: int, repeats: int, stream) -> float:
+    """nbytes / time of copy(), best of two time_ms rounds of `repeats` copies back to back.
+    Host timing of one synchronized copy at a time read the H200's HBM copy at 2597-3187 GB/s
+    against 4117 back to back in the same process (docs/PERF.md, tenth session): the GPU idles
+    between synchronized copies."""
+    return max(nbytes / (time_ms(stream, copy, repeats) * 1e-3) / 1e9 for _ in range(2))
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@ I = expert intermediate, V = vocab, A = T * K assignments.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -701,18 +702,15 @@ class GpuDecoder:
                 self._seq += 1
                 self.seq_h[0] = self._seq
                 self._served_layers = set()
-                # no deferred frees while a gate may wait on the host: a free can synchronize
-                # the device, which would wait for the gate
-                with cuda.defer_cleanup():
-                    g["feed"].launch(cs)
-                    g["token"].launch(cs)
-                    tail.launch(cs)
-                    self._done.record(cs)
-                    served = self._serve_token()
-            else:
+            # no deferred frees while a gate may wait on the host: a free can synchronize the
+            # device, which would wait for the gate
+            with cuda.defer_cleanup() if self._devres else contextlib.nullcontext():
                 g["feed"].launch(cs)
                 g["token"].launch(cs)
                 tail.launch(cs)
+                if self._devres:
+                    self._done.record(cs)
+                    served = self._serve_token()
             cs.synchronize()
             if self._devres:
                 for l in c.moe_layers:

@@ -57,32 +57,26 @@ def h2d_copier(bank, stream):
         def copy_sim(slot: int, block: np.ndarray, nbytes: int) -> None:
             bank[slot, :nbytes].copy_to_device(block[:nbytes], stream=stream)
         return copy_sim
-    from cuda.bindings import driver
-
-    from engine.graphs import stream_handle
-    base = int(bank.__cuda_array_interface__["data"][0])
+    w = DeviceWriter(stream)
+    base = DeviceWriter.ptr(bank)
     row = bank.shape[1]
-    h = stream_handle(stream)
-    ok = driver.CUresult.CUDA_SUCCESS
 
     def copy(slot: int, block: np.ndarray, nbytes: int) -> None:
         if not block.flags.c_contiguous:
             block = np.ascontiguousarray(block)
-        (err,) = driver.cuMemcpyHtoDAsync(base + slot * row, block.ctypes.data, nbytes, h)
-        if err != ok:
-            raise ResidencyError(f"cuMemcpyHtoDAsync of {nbytes} bytes into VRAM slot {slot} "
-                                 f"failed: {err.name}")
+        w.copy(base + slot * row, block, nbytes, f"into VRAM slot {slot}")
     return copy
 
 
 class DeviceWriter:
-    """Small writes into device int32 arrays on a stream, ordered with the copies on it:
-    set(a, i, v) writes a.flat[i] = v and fill(a, v) all of a (cuMemsetD32Async: no host buffer
-    to keep alive), put(a, h) copies the pinned host array h into a. numba's copies (synchronous) under the simulator."""
+    """Writes into device memory on a stream, ordered with the copies on it, each driver call's
+    status checked: set(a, i, v) writes a.flat[i] = v and fill(a, v) all of the int32 array a
+    (cuMemsetD32Async: no host buffer to keep alive), put(a, h) copies the pinned host array h
+    into a, copy(dst, h, n) n bytes of h to the device address dst. numba's copies (synchronous)
+    under the simulator (set, fill, put)."""
 
     def __init__(self, stream):
         from kernels_numba.gpu_util import SIM
-        self.stream = stream
         self.sim = SIM
         if not SIM:
             from cuda.bindings import driver
@@ -92,7 +86,7 @@ class DeviceWriter:
             self._h = stream_handle(stream)
 
     @staticmethod
-    def _ptr(a) -> int:
+    def ptr(a) -> int:
         return int(a.__cuda_array_interface__["data"][0])
 
     def _check(self, err, what: str) -> None:
@@ -103,24 +97,26 @@ class DeviceWriter:
         if self.sim:
             a.reshape(-1)[i:i + 1].copy_to_device(np.array([v], np.int32))
             return
-        (err,) = self._drv.cuMemsetD32Async(self._ptr(a) + 4 * int(i), int(v) & 0xFFFFFFFF, 1,
+        (err,) = self._drv.cuMemsetD32Async(self.ptr(a) + 4 * int(i), int(v) & 0xFFFFFFFF, 1,
                                             self._h)
         self._check(err, f"cuMemsetD32Async of entry {i}")
 
     def fill(self, a, v: int) -> None:
-        """Every entry of the contiguous int32 array a = v."""
         if self.sim:
             a.copy_to_device(np.full(a.shape, v, np.int32))
             return
-        (err,) = self._drv.cuMemsetD32Async(self._ptr(a), int(v) & 0xFFFFFFFF, a.size, self._h)
+        (err,) = self._drv.cuMemsetD32Async(self.ptr(a), int(v) & 0xFFFFFFFF, a.size, self._h)
         self._check(err, f"cuMemsetD32Async of {a.size} entries")
 
     def put(self, a, h: np.ndarray) -> None:
         if self.sim:
             a.copy_to_device(h)
             return
-        (err,) = self._drv.cuMemcpyHtoDAsync(self._ptr(a), h.ctypes.data, h.nbytes, self._h)
-        self._check(err, f"cuMemcpyHtoDAsync of {h.nbytes} bytes")
+        self.copy(self.ptr(a), h, h.nbytes)
+
+    def copy(self, dst: int, h: np.ndarray, nbytes: int, what: str = "") -> None:
+        (err,) = self._drv.cuMemcpyHtoDAsync(dst, h.ctypes.data, nbytes, self._h)
+        self._check(err, f"cuMemcpyHtoDAsync of {nbytes} bytes {what}".rstrip())
 
 
 class VramResidency:
@@ -269,10 +265,7 @@ class VramResidency:
                                      else map(int, experts))]
         spec = self._spec.pop(layer, None) if self._spec else None
         if spec is None and all(k in self.slot_of for k in keys):   # decode's usual case
-            self.stats.vram_hits += len(keys)
-            for key in keys:
-                if key in self.lru:
-                    self.lru.move_to_end(key)
+            self._hits(keys)
             self.copied = False
             self.stats.issue_s += time.perf_counter() - t0
             return [self.slot_of[k] for k in keys]
@@ -307,11 +300,13 @@ class VramResidency:
         return [self.slot_of[k] for k in keys]
 
     def touch(self, layer: int, experts) -> None:
-        """VRAM hits the device resolved on its own (the streamed token graph): counted, and
-        their LRU recency refreshed."""
-        for e in experts:
-            key = (layer, int(e))
-            self.stats.vram_hits += 1
+        """VRAM hits the device resolved on its own (the streamed token graph)."""
+        self._hits([(layer, int(e)) for e in experts])
+
+    def _hits(self, keys) -> None:
+        """Keys found in VRAM: counted, and their LRU recency refreshed."""
+        self.stats.vram_hits += len(keys)
+        for key in keys:
             if key in self.lru:
                 self.lru.move_to_end(key)
 

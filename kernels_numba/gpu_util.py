@@ -316,65 +316,45 @@ def pdl_kernel(k):
 
 if SIM:
     @cuda.jit(device=True)
-    def pdl_wait():
+    def _noop():
         pass
 
-    @cuda.jit(device=True)
-    def pdl_trigger():
-        pass
+    pdl_wait = pdl_trigger = fence_system = pause = _noop
 else:
-    def _pdl_target() -> bool:
-        """Whether the kernel being compiled targets sm_90 or later (griddepcontrol)."""
+    def _target_at_least(cc) -> bool:
+        """Whether the kernel being compiled targets compute capability cc or later."""
         try:
-            return cuda.get_current_device().compute_capability >= (9, 0)
+            return cuda.get_current_device().compute_capability >= cc
         except Exception:
             return False
 
-    def _griddep(op: str):
+    def _pdl_target() -> bool:
+        """Whether the kernel being compiled targets sm_90 or later (griddepcontrol)."""
+        return _target_at_least((9, 0))
+
+    def _asm_op(text: str, available):
+        """A device function of one PTX instruction, emitted where available() says the target
+        has it, else nothing."""
         @intrinsic
-        def gd(typingctx):
+        def op(typingctx):
             def codegen(context, builder, sig, args):
-                if _pdl_target():
-                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"griddepcontrol.{op};",
-                                       "~{memory}", side_effect=True)
+                if available():
+                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                                       side_effect=True)
                     builder.call(asm, [])
                 return context.get_dummy_value()
             return types.none(), codegen
-        return gd
+        return op
 
-    pdl_wait = _griddep("wait")
-    pdl_trigger = _griddep("launch_dependents")
+    pdl_wait = _asm_op("griddepcontrol.wait;", lambda: _pdl_target())
+    pdl_trigger = _asm_op("griddepcontrol.launch_dependents;", lambda: _pdl_target())
+    # backs a spinning thread off for about a microsecond (sm_70 and later; before, it spins)
+    pause = _asm_op("nanosleep.u32 1000;", lambda: _target_at_least((7, 0)))
 
-
-if SIM:
-    @cuda.jit(device=True)
-    def fence_system():
-        pass
-
-    @cuda.jit(device=True)
-    def pause():
-        pass
-else:
     @cuda.jit(device=True, inline=True)
     def fence_system():
         """Orders this thread's writes to mapped host memory for the host (membar.sys)."""
         cuda.threadfence_system()
-
-    @intrinsic
-    def pause(typingctx):
-        """Backs a spinning thread off for about a microsecond (nanosleep: sm_70 and later;
-        before, the thread just spins)."""
-        def codegen(context, builder, sig, args):
-            try:
-                sleep = cuda.get_current_device().compute_capability >= (7, 0)
-            except Exception:
-                sleep = False
-            if sleep:
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "nanosleep.u32 1000;",
-                                   "~{memory}", side_effect=True)
-                builder.call(asm, [])
-            return context.get_dummy_value()
-        return types.none(), codegen
 
 
 def aligned(nbytes: int, *arrays) -> bool:

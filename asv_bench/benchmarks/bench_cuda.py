@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from engine.bandwidth import time_ms as _time_ms  # (warm once, events around reps calls)
+
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 8), "qwen3-next-80b": (2048, 512, 10),
           "2560x640-top10": (2560, 640, 10)}
 LAYERS = 16
@@ -28,19 +30,6 @@ def _need_gpu():
     from numba import config, cuda
     if config.ENABLE_CUDASIM or not cuda.is_available():
         raise NotImplementedError("needs a CUDA GPU")
-
-
-def _time_ms(stream, fn, reps):
-    from numba import cuda
-    fn()                                   # warm
-    stream.synchronize()
-    e0, e1 = cuda.event(), cuda.event()
-    e0.record(stream)
-    for _ in range(reps):
-        fn()
-    e1.record(stream)
-    e1.synchronize()
-    return e0.elapsed_time(e1) / reps
 
 
 def hbm_copy_gbs(nbytes: int = 2 << 30) -> float:

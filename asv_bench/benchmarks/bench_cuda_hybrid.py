@@ -32,16 +32,8 @@ def _need_gpu():
 
 
 def _time_us(stream, fn, reps=REPS):
-    from numba import cuda
-    fn()                                   # warm
-    stream.synchronize()
-    e0, e1 = cuda.event(), cuda.event()
-    e0.record(stream)
-    for _ in range(reps):
-        fn()
-    e1.record(stream)
-    e1.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / reps
+    from engine.bandwidth import time_ms
+    return time_ms(stream, fn, reps) * 1e3
 
 
 class DeltaNetLayerSetup:

@@ -234,23 +234,32 @@ class MoeDecoder:
     def moe(self, l: int, h):
         """Routed experts: each expert runs once over all the tokens routed to it; then the
         shared expert, if any."""
-        c, ops, w = self.c, self.ops, self.w
-        logits = ops.linear(h, w("router", l))
-        if c.routing == "sigmoid":
-            ids, rw = ops.router_sigmoid(logits, w("router_bias", l), c.top_k, c.n_group,
-                                         c.topk_group, c.norm_topk_prob, c.routed_scale)
-        else:
-            ids, rw = ops.router(logits, c.top_k, c.norm_topk_prob)
+        c, ops = self.c, self.ops
+        ids, rw = self.route(l, h)
         if self.on_route is not None:
             self.on_route(l, ids)
         uniq = np.unique(ids)
         out = ops.zeros(h.shape)
         for e, we in zip(uniq, self.experts.fetch(l, uniq)):
             t_idx, k_idx = np.nonzero(ids == e)
-            ops.scatter_add_rows(out, t_idx, ops.expert(ops.take_rows(h, t_idx), we), rw[t_idx, k_idx])
+            y = self.routed_expert(l, int(e), ops.take_rows(h, t_idx), we)
+            ops.scatter_add_rows(out, t_idx, y, rw[t_idx, k_idx])
         if c.shared_intermediate:
             ops.add_(out, self.shared_expert(l, h))
         return out
+
+    def route(self, l: int, h):
+        """(ids [T, K], weights [T, K]) of layer l's router on h."""
+        c, ops, w = self.c, self.ops, self.w
+        logits = ops.linear(h, w("router", l))
+        if c.routing == "sigmoid":
+            return ops.router_sigmoid(logits, w("router_bias", l), c.top_k, c.n_group,
+                                      c.topk_group, c.norm_topk_prob, c.routed_scale)
+        return ops.router(logits, c.top_k, c.norm_topk_prob)
+
+    def routed_expert(self, l: int, e: int, x, we):
+        """Routed expert e of layer l (weights we) on the rows x routed to it."""
+        return self.ops.expert(x, we)
 
     def shared_expert(self, l: int, h):
         """The shared expert beside the routed ones, sigmoid-gated when c.shared_gated."""

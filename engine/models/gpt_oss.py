@@ -80,23 +80,17 @@ class GptOssDecoder(MoeDecoder):
             self.ops.add_(o, self.w("o_bias", l))
         return o
 
-    def moe(self, l: int, h):
+    def route(self, l: int, h):
         c, ops, w = self.c, self.ops, self.w
         logits = ops.linear(h, w("router", l))
         ops.add_(logits, w("router_bias", l))
         # softmax over the k largest logits = the softmax over all, its top k renormalized
-        ids, rw = ops.router(logits, c.top_k, True)
-        if self.on_route is not None:
-            self.on_route(l, ids)
-        uniq = np.unique(ids)
-        out = ops.zeros(h.shape)
-        for e, we in zip(uniq, self.experts.fetch(l, uniq)):
-            t_idx, k_idx = np.nonzero(ids == e)
-            b = tuple(w(k, l, int(e)) for k in ("expert_gate_bias", "expert_up_bias",
-                                                "expert_down_bias"))
-            y = ops.expert_clamped(ops.take_rows(h, t_idx), we, b, c.swiglu_alpha, c.swiglu_limit)
-            ops.scatter_add_rows(out, t_idx, y, rw[t_idx, k_idx])
-        return out
+        return ops.router(logits, c.top_k, True)
+
+    def routed_expert(self, l: int, e: int, x, we):
+        c, w = self.c, self.w
+        b = tuple(w(k, l, e) for k in ("expert_gate_bias", "expert_up_bias", "expert_down_bias"))
+        return self.ops.expert_clamped(x, we, b, c.swiglu_alpha, c.swiglu_limit)
 
 
 expert_spec = base.expert_spec   # gate, up, down per expert: the checkpoint's per-expert copies
