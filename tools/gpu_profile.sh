@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU machine: the HBM copy figure both ways, then Qwen3-30B-A3B shapes (NVFP4): all-resident
 # decode, its op profile, uniform streaming with the experts warm in RAM, the streamed decode
-# with the model's routing (one graph a token and the per-layer path), GPU engine tests; logs to $OUT.
+# with the model's routing (one graph a token and the per-layer path), GPU engine tests, the NVFP4
+# expert kernel sweep (VARIANTS, comma list); logs to $OUT. TAG names a run's bench / op files (an
+# A/B under MOE_STREAM_NVFP4_VARIANT, say).
 # usage (device tool, carry [".whl"]): bash tools/gpu_profile.sh [STEPS] (default "hbm bench op uniform")
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -30,9 +32,11 @@ PY
     synth) [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1 ;;
     bench) [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1
        python3 -m engine.bench gpu-stream --model /tmp/q30 --vram-gb 40 --ram-gb 32 --tokens 128 \
-         --prompt-len 2048 --out "$OUT/resident.json" 2>&1 | grep -v -i warn | tail -15 | tee "$OUT/resident.log" ;;
-    op) python3 tools/op_profile.py /tmp/q30 --vram-gb 40 --prompt-len 2048 --out "$OUT/op.json" 2>&1 \
-         | grep -v -i warn | tail -40 | tee "$OUT/op.log" ;;
+         --prompt-len 2048 --out "$OUT/resident$TAG.json" 2>&1 | grep -v -i warn | tail -15 | tee "$OUT/resident$TAG.log" ;;
+    op) python3 tools/op_profile.py /tmp/q30 --vram-gb 40 --prompt-len 2048 --out "$OUT/op$TAG.json" 2>&1 \
+         | grep -v -i warn | tail -40 | tee "$OUT/op$TAG.log" ;;
+    sweep) timeout ${SWEEP_S:-300} python3 tools/sweep_experts.py "$OUT/sweep.json" --formats nvfp4 \
+         --variants "${VARIANTS:-mma-g4-d4-p3-c}" 2>&1 | grep -v -i warn | tail -30 | tee "$OUT/sweep.log" ;;
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_gpu_engine.py \
          -k "streaming or graph_replay or device_sampling" 2>&1 | tail -15 | tee "$OUT/tests.log" ;;
     stream) [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1
