@@ -130,7 +130,7 @@ def _make_linear(cw, chunk, R, KS, U, TT, ACC=False, NORM=False, HOUT=False, PF=
         N = w64.shape[0]
         nch = w64.shape[1]
         if PF and ks == 0 and lane < R and n0 + lane < N:   # (before the wait: see LIN_PREFETCH)
-            prefetch_l2(w64, n0 + lane, 0, nch * 8)
+            prefetch_l2(w64, n0 + lane, nch * 8)
         T = x64.shape[0]
         wq = cuda.local.array(UR, uint64)
         wn = cuda.local.array(UR, uint64)
@@ -276,7 +276,7 @@ def _make_linear16(BF, R, KS, U, TT, NT, BSM, XS, EXACT, ACC=False, NORM=False, 
         N = w.shape[0]
         nch = w.shape[1] // 4
         if PF and ks == 0 and lane < R and n0 + lane < N:   # (before the wait: see LIN_PREFETCH)
-            prefetch_l2(w, n0 + lane, 0, nch * 16)
+            prefetch_l2(w, n0 + lane, nch * 16)
         T, K = x.shape
         wq = cuda.local.array(UR4, WT)                   # the loaded chunks, 4 words each
         wv = cuda.local.array(RC, float32)               # one chunk of the R rows, decoded

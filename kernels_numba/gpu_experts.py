@@ -1812,7 +1812,8 @@ def down_grid(lay_host: np.ndarray, threads: int = THREADS) -> int:
 # cover a row in one pass, else the flat kernel runs). A "q" before the decode (NVFP4 only:
 # qpair, qbpair, qtab, qarith) picks the leaner pipelined kernels of _make_q, same contract.
 # Any such name builds; SWEEP lists the ones timed; a default is switched by editing
-# DEFAULT_VARIANT, or for one run by MOE_STREAM_<FMT>_VARIANT (A/B of whole decodes). Threads a block are always capped by the compiled kernel's registers (_cap).
+# DEFAULT_VARIANT, or for one run by MOE_STREAM_<FMT>_VARIANT (A/B of whole decodes). Threads
+# a block are always capped by the compiled kernel's registers (_cap).
 
 DEFAULT_VARIANT = {"nvfp4": "mma-g4-d4-p3-c", "fp8": "parith-g8j1-d4j2", "bf16": "parith-g4j4-d4j4"}
 DEFAULT_VARIANT = {f: os.environ.get(f"MOE_STREAM_{f.upper()}_VARIANT", v)
@@ -1829,18 +1830,16 @@ SWEEP = {   # what tools/sweep_experts.py times
               "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1",
               "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
               "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2", "lut-g32-d16",
-              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c",
-              "mma-g4-d4-p3-c-f"],
+              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
 }
 _VARIANT_RE = re.compile(r"^(p|q)?(tab|arith|mix|pair|bpair)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
 _LUT_RE = re.compile(r"^lut-g(\d+)-d(\d+)(?:-m(\d))?$")   # NVFP4: gpu_experts_lut, GW / DW warps a block
-_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(-f)?(?:-m(\d))?$")   # NVFP4: gpu_experts_mma, SG / SD
+_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(?:-m(\d))?$")   # NVFP4: gpu_experts_mma, SG / SD
 # steps a warp, LA steps loaded ahead (default all), P the weight loads' cache hints, -c the
-# scales on the D columns, -f down's weights prefetched into the L2 by gate_up, -m1 / -m2
-# diagnostic modes (wrong results)
+# scales on the D columns, -m1 / -m2 diagnostic modes (wrong results)
 _FLAT = {}
 
 
@@ -1854,8 +1853,8 @@ def parse_variant(fmt: str, variant: str):
         return ("lut", int(m.group(1)), int(m.group(3) or 0), int(m.group(2)), 0)
     m = _MMA_RE.match(v)
     if m and fmt == "nvfp4":
-        extra = (int(m.group(3) or 0), int(m.group(7) or 0), int(m.group(4) or 0),
-                 int(bool(m.group(5))), int(bool(m.group(6))))        # LA, MODE, P, COLS, PF
+        extra = (int(m.group(3) or 0), int(m.group(6) or 0), int(m.group(4) or 0),
+                 int(bool(m.group(5))))                               # LA, MODE, P, COLS
         return ("mma", int(m.group(1)), extra, int(m.group(2)), 0)
     m = _VARIANT_RE.match(v)
     ok = (fmt == "nvfp4" and m.group(2) in _Q_DEC) if m and m.group(1) == "q" else \

@@ -25,9 +25,8 @@ one conflict-free 128-byte line. Each warp fills (and reads) only its own steps'
     down:    block = 16 output rows; the columns are all K experts' rows side by side (an
              expert's routing weight and global scale folded into its B values); warp w
              takes steps [w S, w S + S) of the K * Is / 128 -> out [H] (+= when accumulate)
-Variant "mma-g<SG>-d<SD>[-a<LA>][-p<P>][-c][-f][-m<MODE>]" (gpu_experts.parse_variant): steps a
-warp, steps loaded ahead, the weight loads' cache hints, the scale placement, down's weights
-prefetched into the L2 by gate_up, diagnostics.
+Variant "mma-g<SG>-d<SD>[-a<LA>][-p<P>][-c][-m<MODE>]" (gpu_experts.parse_variant): steps a
+warp, steps loaded ahead, the weight loads' cache hints, the scale placement, diagnostics.
 Needs Hs and Is multiples of 128 (supported() says; the launcher falls back to the q kernels).
 Under the simulator the mma, the f16 multiply and the split run as numpy emulations.
 H200 (docs/PERF.md, sixth session): 19.6 / 17.4 / 30.9 us a layer at Qwen3-30B / Next-80B /
@@ -40,7 +39,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from .gpu_util import (SIM, WARP, cdiv, float_as_uint, int_as_float, pdl_kernel, pdl_trigger,
-                        pdl_wait, prefetch_l2, silu, warp_max, warp_sync)
+                        pdl_wait, silu, warp_max, warp_sync)
 
 STEP = 128                        # columns a warp's step covers (64 bytes a row, 16 a lane)
 STEP_U32 = 128                    # shared uint32 of B fragments a step (4 words x 2 x 4 x 4)
@@ -296,22 +295,17 @@ def _store_unit(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
     bsh[base + 19] = l3
 
 
-def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, PF: int = 0):
+def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
     """(gate_up, down) with S steps (S * 128 columns) a warp, the loads of LA steps in flight
     ahead of the one multiplied (LA = S: every load issued first), weight loads with cache
     hints P (see _LD4). MODE (diagnostics for the sweep, wrong results): 1 = no input loads
     (x = 1), 2 = no decode or mma (the words XORed into the sums). COLS: E4M3 scales applied to
-    each group's own D columns in f32 (no f16 multiplies; see steps), else to A in f16. PF:
-    gate_up asks the L2 for its expert's down weights and scales (each block a slice, one bulk
-    prefetch each), so down's loads, bound by what its registers hold in flight, hit the L2."""
+    each group's own D columns in f32 (no f16 multiplies; see steps), else to A in f16."""
     NW8 = 8 * S                   # weight words a lane holds: 2 rows x 4 words a step
     NS2 = 2 * S
     UPT = cdiv(S, 2)              # (step, word, t) units of B a lane fills: 16 S a warp
     NV = 8 * UPT
     ld4 = _LD4[P]
-
-    # -f costs gate_up 12 registers; capped at the 80 that keep 6 blocks of 4 warps an SM
-    gate_jit = cuda.jit(max_registers=80) if PF and not SIM else cuda.jit
 
     @cuda.jit(device=True, inline=True)
     def load(bank32, bank16, slots, slot0, wv, sv, s, wp, nst, nsi, a0, a1, s0, s1, down):
@@ -410,8 +404,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, PF: int = 0
             return _quad_sum(c0, red) * float32(128.0), _quad_sum(c2, red) * float32(128.0)
         return c0 + c1, c2 + c3
 
-    @gate_jit
-    def gate_up(bank32, bank16, bankf, slots, x, act, gq, gsc, uq, usc, H, I, Hs, dq, dsc, Is):
+    @cuda.jit
+    def gate_up(bank32, bank16, bankf, slots, x, act, gq, gsc, uq, usc, H, I, Hs):
         """x float32 [H] -> act float32 [K, I]; grid K * cdiv(I, 8), warps * S * 128 >= Hs,
         dynamic shared warps * S * 512 bytes. The layout comes as scalars (byte offsets of the
         gate / up values and scales): no load stands between the slot and the weights."""
@@ -436,14 +430,6 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, PF: int = 0
         ua = (uq + r * (Hs >> 1) + t * int32(16)) >> 2
         gs = (gsc + r * (Hs >> 4) + t * int32(2)) >> 1     # uint16 index
         us = (usc + r * (Hs >> 4) + t * int32(2)) >> 1
-        # (before the weight loads: its registers are free again when theirs are live)
-        if PF and tid < 2:                    # this block's slice of the expert's down section
-            tot = H * (Is >> (1 if tid == 0 else 4))
-            ch = ((tot + nrg - int32(1)) // nrg + int32(15)) & int32(-16)
-            off = (int32(cuda.blockIdx.x) - k * nrg) * ch
-            if off < tot:
-                prefetch_l2(bank32, slot, ((dq if tid == 0 else dsc) + off) >> 2,
-                            min(ch, tot - off))
         wv = cuda.local.array(NW8, uint32)
         sv = cuda.local.array(NS2, uint32)
         for s in range(LA):                   # the first LA steps' weights
@@ -543,8 +529,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, PF: int = 0
 _KERNELS = {}
 
 
-def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0, cols: int = 0, pf: int = 0):
-    key = (s, min(la or s, s), mode, p, cols, pf)
+def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0, cols: int = 0):
+    key = (s, min(la or s, s), mode, p, cols)
     if key not in _KERNELS:
         _KERNELS[key] = _make(*key)
     return _KERNELS[key]
@@ -572,7 +558,7 @@ def supported(lay_host, k: int, cfg, row_bytes: int) -> bool:
 
 
 def gate_up(cfg, views, lay, lay_host, slots, x, act, stream):
-    """cfg = ("mma", SG, (LA, MODE, P, COLS, PF), SD, 0) (LA 0: every load first)."""
+    """cfg = ("mma", SG, (LA, MODE, P, COLS), SD, 0) (LA 0: every load first)."""
     _, b8, bf = views
     b32, b16 = _views(b8)
     sg = cfg[1]
@@ -580,7 +566,7 @@ def gate_up(cfg, views, lay, lay_host, slots, x, act, stream):
     grid = slots.shape[0] * cdiv(int(lay_host[7]), 8)
     L = [int32(v) for v in lay_host]
     kernels(sg, *cfg[2])[0][grid, wg * WARP, stream, wg * sg * STEP_U32 * 4 + 16](
-        b32, b16, bf, slots, x, act, L[0], L[1], L[2], L[3], L[6], L[7], L[8], L[4], L[5], L[9])
+        b32, b16, bf, slots, x, act, L[0], L[1], L[2], L[3], L[6], L[7], L[8])
 
 
 def down(cfg, views, lay, lay_host, slots, weights, act, out, stream, accumulate):

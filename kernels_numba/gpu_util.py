@@ -259,32 +259,32 @@ else:
         return sig, codegen
 
 
-# prefetch_l2(a, i, j, nbytes): asks the L2 to fetch about nbytes of the 2-D array a from a[i, j]
-# on (cp.async.bulk.prefetch, in 16-byte granules: one thread, nothing waits, no registers held).
-# A hint: before its PDL wait a kernel can pull in weights that no launch writes while the kernel
-# before it still runs; a kernel bound by the loads its registers hold can have the next
-# kernel's weights fetched. No-op before sm_90 and under the simulator.
+# prefetch_l2(a, i, nbytes): asks the L2 to fetch about nbytes of the 2-D array a from the start
+# of row i on (cp.async.bulk.prefetch, in 16-byte granules: one thread, nothing waits). A hint:
+# before its PDL wait a kernel can pull in weights that no launch writes while the kernel before
+# it still runs. No-op before sm_90 and under the simulator.
 if SIM:
     @cuda.jit(device=True)
-    def prefetch_l2(a, i, j, nbytes):
+    def prefetch_l2(a, i, nbytes):
         pass
 else:
     @intrinsic
-    def prefetch_l2(typingctx, a, i, j, nbytes):
+    def prefetch_l2(typingctx, a, i, nbytes):
         if not (isinstance(a, types.Array) and a.ndim == 2 and isinstance(i, types.Integer)
-                and isinstance(j, types.Integer) and isinstance(nbytes, types.Integer)):
+                and isinstance(nbytes, types.Integer)):
             return None
-        sig = types.none(a, i, j, nbytes)
+        sig = types.none(a, i, nbytes)
 
         def codegen(context, builder, sig, args):
             if _pdl_target():
                 aty = sig.args[0]
                 arr = context.make_array(aty)(context, builder, value=args[0])
-                ix = [context.cast(builder, args[x], sig.args[x], types.intp) for x in (1, 2)]
+                ix = [context.cast(builder, args[1], sig.args[1], types.intp),
+                      context.get_constant(types.intp, 0)]
                 ptr = cgutils.get_item_pointer(context, builder, aty, arr, ix)
                 i64, i32 = ir.IntType(64), ir.IntType(32)
                 # 16-byte granules: the start rounded down, the size too (a hint may fall short)
-                n = builder.and_(builder.trunc(context.cast(builder, args[3], sig.args[3],
+                n = builder.and_(builder.trunc(context.cast(builder, args[2], sig.args[2],
                                                             types.int64), i32),
                                  ir.Constant(i32, ~15 & 0xFFFFFFFF))
                 addr = builder.and_(builder.ptrtoint(ptr, i64), ir.Constant(i64, ~15))
