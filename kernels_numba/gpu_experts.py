@@ -1830,18 +1830,16 @@ SWEEP = {   # what tools/sweep_experts.py times
               "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1",
               "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
               "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2", "lut-g32-d16",
-              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c",
-              "mma-g4-d4-p3-c-e"],
+              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
 }
 _VARIANT_RE = re.compile(r"^(p|q)?(tab|arith|mix|pair|bpair)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
 _LUT_RE = re.compile(r"^lut-g(\d+)-d(\d+)(?:-m(\d))?$")   # NVFP4: gpu_experts_lut, GW / DW warps a block
-_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(-e)?(?:-m(\d))?$")   # NVFP4: gpu_experts_mma, SG / SD
+_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(?:-m(\d))?$")   # NVFP4: gpu_experts_mma, SG / SD
 # steps a warp, LA steps loaded ahead (default all), P the weight loads' cache hints, -c the
-# scales on the D columns, -e down's epilogue scalars loaded before its wait, -m1 / -m2
-# diagnostic modes (wrong results)
+# scales on the D columns, -m1 / -m2 diagnostic modes (wrong results)
 _FLAT = {}
 
 
@@ -1855,8 +1853,8 @@ def parse_variant(fmt: str, variant: str):
         return ("lut", int(m.group(1)), int(m.group(3) or 0), int(m.group(2)), 0)
     m = _MMA_RE.match(v)
     if m and fmt == "nvfp4":
-        extra = (int(m.group(3) or 0), int(m.group(7) or 0), int(m.group(4) or 0),
-                 int(bool(m.group(5))), int(bool(m.group(6))))        # LA, MODE, P, COLS, EARLY
+        extra = (int(m.group(3) or 0), int(m.group(6) or 0), int(m.group(4) or 0),
+                 int(bool(m.group(5))))                               # LA, MODE, P, COLS
         return ("mma", int(m.group(1)), extra, int(m.group(2)), 0)
     m = _VARIANT_RE.match(v)
     ok = (fmt == "nvfp4" and m.group(2) in _Q_DEC) if m and m.group(1) == "q" else \

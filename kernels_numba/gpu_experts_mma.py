@@ -25,9 +25,8 @@ one conflict-free 128-byte line. Each warp fills (and reads) only its own steps'
     down:    block = 16 output rows; the columns are all K experts' rows side by side (an
              expert's routing weight and global scale folded into its B values); warp w
              takes steps [w S, w S + S) of the K * Is / 128 -> out [H] (+= when accumulate)
-Variant "mma-g<SG>-d<SD>[-a<LA>][-p<P>][-c][-e][-m<MODE>]" (gpu_experts.parse_variant): steps a
-warp, steps loaded ahead, the weight loads' cache hints, the scale placement, down's epilogue
-scalars loaded before its wait, diagnostics.
+Variant "mma-g<SG>-d<SD>[-a<LA>][-p<P>][-c][-m<MODE>]" (gpu_experts.parse_variant): steps a
+warp, steps loaded ahead, the weight loads' cache hints, the scale placement, diagnostics.
 Needs Hs and Is multiples of 128 (supported() says; the launcher falls back to the q kernels).
 Under the simulator the mma, the f16 multiply and the split run as numpy emulations.
 H200 (docs/PERF.md, sixth session): 19.6 / 17.4 / 30.9 us a layer at Qwen3-30B / Next-80B /
@@ -296,15 +295,12 @@ def _store_unit(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
     bsh[base + 19] = l3
 
 
-def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, EARLY: int = 0):
+def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
     """(gate_up, down) with S steps (S * 128 columns) a warp, the loads of LA steps in flight
     ahead of the one multiplied (LA = S: every load issued first), weight loads with cache
     hints P (see _LD4). MODE (diagnostics for the sweep, wrong results): 1 = no input loads
     (x = 1), 2 = no decode or mma (the words XORed into the sums). COLS: E4M3 scales applied to
-    each group's own D columns in f32 (no f16 multiplies; see steps), else to A in f16. EARLY:
-    down loads its epilogues' scalars (a unit's routing weight times global scale, the residual
-    it adds to) with its weights, before its wait: two L2 round trips fewer after it (in
-    gate_up the same costs registers: 84 with its global scales read before the reduction)."""
+    each group's own D columns in f32 (no f16 multiplies; see steps), else to A in f16."""
     NW8 = 8 * S                   # weight words a lane holds: 2 rows x 4 words a step
     NS2 = 2 * S
     UPT = cdiv(S, 2)              # (step, word, t) units of B a lane fills: 16 S a warp
@@ -497,16 +493,6 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, EARLY: int 
         # the wait for gate_up's act
         for s in range(LA):
             load(bank32, bank16, slots, int32(0), wv, sv, s, wp, nst, nsi, da, db, sa, sb, True)
-        fv = cuda.local.array(UPT, float32)   # a unit's routing weight times global scale
-        rr = r0 + tid
-        ob = float32(0.0)                     # the residual this thread adds to
-        if EARLY:      # the router's weights and slots, x (o_proj's or the shared expert's,
-            for i in range(UPT):              # two launches back or more): before the wait
-                ke = min((wp * int32(S) + (((tid & 31) + int32(32 * i)) >> 4)) // nsi,
-                         K - int32(1))
-                fv[i] = weights[ke] * bankf[slots[ke], 2]
-            if accumulate and tid < 16 and rr < H:
-                ob = out[rr]
         pdl_wait()
         pdl_trigger()
         if tid < 4:
@@ -518,8 +504,7 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, EARLY: int 
             st = wp * int32(S) + (u >> 4)
             ke = min(st // nsi, K - int32(1))
             i0 = (st - ke * nsi) * int32(STEP) + (u & 3) * int32(32) + ((u >> 2) & 3) * int32(8)
-            f = (fv[i] if EARLY else weights[ke] * bankf[slots[ke], 2]) if MODE != 1 \
-                else float32(1.0)
+            f = weights[ke] * bankf[slots[ke], 2] if MODE != 1 else float32(1.0)
             for j in range(8):
                 e = i0 + int32(j)
                 a = act[ke, uint32(min(e, I - int32(1)))] * f if MODE != 1 else float32(1.0)
@@ -531,13 +516,12 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, EARLY: int 
             part[wp, g] = d0 * inv
             part[wp, 8 + g] = d1 * inv
         cuda.syncthreads()
+        rr = r0 + tid
         if tid < 16 and rr < H:
             o = float32(0.0)
             for w in range(nt >> 5):
                 o += part[w, tid]
-            if not EARLY and accumulate:
-                ob = out[rr]
-            out[rr] = o * float32(128.0) + ob
+            out[rr] = o * float32(128.0) + (out[rr] if accumulate else float32(0.0))
 
     return pdl_kernel(gate_up), pdl_kernel(down)
 
@@ -545,8 +529,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, EARLY: int 
 _KERNELS = {}
 
 
-def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0, cols: int = 0, early: int = 0):
-    key = (s, min(la or s, s), mode, p, cols, early)
+def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0, cols: int = 0):
+    key = (s, min(la or s, s), mode, p, cols)
     if key not in _KERNELS:
         _KERNELS[key] = _make(*key)
     return _KERNELS[key]
@@ -574,7 +558,7 @@ def supported(lay_host, k: int, cfg, row_bytes: int) -> bool:
 
 
 def gate_up(cfg, views, lay, lay_host, slots, x, act, stream):
-    """cfg = ("mma", SG, (LA, MODE, P, COLS, EARLY), SD, 0) (LA 0: every load first)."""
+    """cfg = ("mma", SG, (LA, MODE, P, COLS), SD, 0) (LA 0: every load first)."""
     _, b8, bf = views
     b32, b16 = _views(b8)
     sg = cfg[1]
