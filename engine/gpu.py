@@ -21,7 +21,7 @@ import time
 import numpy as np
 from numba import cuda
 
-from engine.models.base import check_room
+from engine.models.base import check_room, resumable
 from kernels_numba import gpu_attention as ga
 from kernels_numba import gpu_deltanet as gdn
 from kernels_numba import gpu_dense as gd
@@ -126,6 +126,7 @@ def embed_on_host(c) -> bool:
 class GpuDecoder:
     fuse_qkv = True   # families whose q / k / v are plain projections of the normed input
     pipelines = True  # decode_stream: an extra token's KV row past st.pos is harmless
+    rewinds = True    # resume_state may set pos back (the state is the KV cache alone)
     buffers_cls = Buffers       # run-state classes: engine/gpu_hybrid.py extends them
     state_cls = GpuRunState
 
@@ -325,6 +326,15 @@ class GpuDecoder:
             self._drop_graphs()
         self.state.pos = 0
         return self.state
+
+    def resume_state(self, st, max_context: int, keep: int):
+        """As MoeDecoder.resume_state, on the one preallocated state (its rows past keep are
+        written again before any kernel reads them: attention reads up to the query's position)."""
+        if st is not self.state or st.max_context < max_context or \
+                not resumable(st, keep, self.rewinds):
+            return None
+        st.pos = keep
+        return st
 
     def _buffers(self, t: int) -> Buffers:
         if t == 1:

@@ -156,6 +156,7 @@ class GpuHybridState:
 class GpuHybridDecoder(GpuDecoder):
     fuse_qkv = False          # the attention projections are fused here, with the gate rows
     pipelines = False         # an extra token would advance the recurrent state past st.pos
+    rewinds = False           # the recurrent state holds every position up to st.pos
     buffers_cls = HybridBuffers
     state_cls = GpuHybridState
 

@@ -258,12 +258,16 @@ class Engine:
                  on_route: Callable | None = None, ram_gb: float | None = None,
                  cache_policy: str = "lru", reader_threads: int = 4, vram_gb: float | None = None,
                  hot_from: str | None = None, prefill_batch: int = 32, speculate: bool = False,
-                 decode_core: int | str | None = "auto", reader_cores=None, kv_cache: str = "f32"):
+                 decode_core: int | str | None = "auto", reader_cores=None, kv_cache: str = "f32",
+                 prefix_cache: bool = False):
         """decode_core: the core the generating thread is pinned to while it generates ('auto':
         the last allowed core on cuda, unpinned on cpu; None or -1: unpinned); reader_cores: the
         arena reader threads' cores (None: the allowed cores but the decode one). engine/affinity.py
         kv_cache: "f32" or "bf16" (K and V rounded to bfloat16 as they are stored: half the
-        cache's VRAM on cuda; the CPU backend rounds the same way in a float32 cache)."""
+        cache's VRAM on cuda; the CPU backend rounds the same way in a float32 cache).
+        prefix_cache: a prompt that begins with the ids the last generation ran through the
+        model (a chat's next turn) resumes from that run state: only the rest is prefilled
+        (engine.serve turns it on; off, each generation starts from an empty state)."""
         if kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache {kv_cache!r}: expected one of {', '.join(KV_CACHE_KINDS)}")
         self.kv_cache = kv_cache
@@ -317,6 +321,8 @@ class Engine:
             self.eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
         self.generation_defaults = gen
         self.state = None
+        self.prefix_cache = prefix_cache
+        self._fed = None   # the ids self.state holds, in order (positions 0 .. len - 1)
         # cuda: decode tokens drawn on the device, only the id read back. "auto": greedy and
         # uncut sampling there; a top-k / top-p cut on the host, because the device kernel's
         # thresholds by bisection took 1.8 ms a token at 151,936 tokens on the H200 (the host
@@ -404,8 +410,13 @@ class Engine:
     def logits(self, ids) -> np.ndarray:
         """Logits at every position of ids, from an empty context: float32 [T, V]."""
         ids = np.asarray(ids, dtype=np.int64)
+        self._fed = None   # (on cuda the decoder's one preallocated state is reused)
         st = self.model.new_state(max(len(ids), 1))
         return np.asarray(self.model.forward(ids, st, all_logits=True))
+
+    def release_state(self) -> None:
+        """Drop the run state (and with it the prompt prefix a next generation could resume)."""
+        self.state, self._fed = None, None
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
@@ -445,15 +456,19 @@ class Engine:
         n_new = min(params.max_new_tokens, budget)
         stop = set(self.eos_ids if params.stop_ids is None else params.stop_ids)
         rng = np.random.default_rng(params.seed)
-        st = self.state = self.model.new_state(len(prompt_ids) + n_new)
+        st, keep = self._resume(prompt_ids, len(prompt_ids) + n_new)
+        self.state, self._fed = st, None   # (until this generation ends cleanly)
         t0 = time.perf_counter()
-        logits = self.model.forward(np.asarray(prompt_ids, dtype=np.int64), st)
+        logits = self.model.forward(np.asarray(prompt_ids[keep:], dtype=np.int64), st)
         t1 = time.perf_counter()
-        stats.update(prefill_tokens=len(prompt_ids), prefill_s=t1 - t0,
-                     prefill_tok_s=len(prompt_ids) / max(t1 - t0, 1e-9), decode_tokens=0, decode_s=0.0)
+        stats.update(prefill_tokens=len(prompt_ids), prefill_cached_tokens=keep, prefill_s=t1 - t0,
+                     prefill_tok_s=(len(prompt_ids) - keep) / max(t1 - t0, 1e-9), decode_tokens=0,
+                     decode_s=0.0)
         stats["finish_reason"] = "length"
         c0 = self._counters()
         ids = self._sampled_ids(logits[-1], st, params, rng, n_new)   # runs as the loop asks
+        out = []
+        clean = False
         try:
             for i in range(n_new):
                 ts = time.perf_counter()
@@ -461,13 +476,35 @@ class Engine:
                 if i:   # a decode token's time: its forward pass + sampling from its logits
                     stats["decode_s"] += time.perf_counter() - ts
                     stats["decode_tokens"] += 1
+                out.append(tid)
                 yield tid
                 if tid in stop:
                     stats["finish_reason"] = "stop"
                     break
-        finally:   # also when the caller stops early (a stop string, a client gone)
+            clean = True
+        except GeneratorExit:   # the caller stopped early (a stop string, a client gone)
+            clean = True
+            raise
+        finally:
             ids.close()
             self._finish_stats(stats, c0)
+            # the state holds the prompt and the generated ids a forward pass has taken (the
+            # last one yielded never went in); after an error it holds nothing reliable
+            self._fed = (prompt_ids + out)[:st.pos] if clean else None
+
+    def _resume(self, prompt_ids: list, need: int):
+        """(run state for need positions, keep): the state of the last generation when the prompt
+        begins with ids it holds (keep of them, at most all but the last prompt id, whose
+        logits are wanted), else a fresh one (keep 0)."""
+        fed = self._fed if self.prefix_cache else None
+        if fed:
+            n = min(len(fed), len(prompt_ids) - 1)
+            diff = np.flatnonzero(np.asarray(fed[:n]) != np.asarray(prompt_ids[:n]))
+            keep = int(diff[0]) if diff.size else n
+            st = self.model.resume_state(self.state, need, keep) if keep else None
+            if st is not None:
+                return st, keep
+        return self.model.new_state(need), 0
 
     def _sampled_ids(self, logits, st, params: GenerationParams, rng, n: int) -> Iterator[int]:
         """n ids: the first from the prompt's last logits [V] on the host, then one forward pass

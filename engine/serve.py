@@ -327,6 +327,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()        # set: stop at the next token, or never start
         self.completion_tokens = 0
+        self.cached_tokens = 0                 # prompt ids resumed from the last run state
 
     def emit(self, kind: str, value=None):
         """From the worker thread."""
@@ -344,6 +345,7 @@ class Metrics:
     requests_rejected_total: int = 0    # 503, queue full
     requests_failed_total: int = 0
     prompt_tokens_total: int = 0
+    prompt_cached_tokens_total: int = 0   # of those, resumed from the last run state
     completion_tokens_total: int = 0
     last_prompt_tokens: int = 0
     last_completion_tokens: int = 0
@@ -460,7 +462,8 @@ class Worker:
             raise
         finally:
             gen.close()                     # ends the engine's loop
-            eng.state = None                # frees the KV cache
+            if not eng.prefix_cache:        # else kept: the chat's next turn resumes from it
+                eng.release_state()         # frees the KV cache
             self._account(job, stats, outcome, time.perf_counter() - t0)
         job.emit("gone" if outcome == "cancelled" else "end", outcome)
 
@@ -475,6 +478,8 @@ class Worker:
             else:
                 m.requests_completed_total += 1
             m.prompt_tokens_total += len(job.req.prompt_ids)
+            job.cached_tokens = int(stats.get("prefill_cached_tokens", 0))
+            m.prompt_cached_tokens_total += job.cached_tokens
             m.completion_tokens_total += n
             m.last_prompt_tokens, m.last_completion_tokens = len(job.req.prompt_ids), n
             m.last_prefill_tok_s = float(stats.get("prefill_tok_s", 0.0))
@@ -488,7 +493,8 @@ class Worker:
 
 def _usage(job: Job) -> dict:
     p, c = len(job.req.prompt_ids), job.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
 
 
 def _sse(obj) -> str:
@@ -715,6 +721,10 @@ def parse_args(argv=None):
                    help="requests that may wait behind the one generating; more get 503 (default 8)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model folder's name)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole and free the KV cache between requests "
+                        "(default: keep the last request's run state; a prompt that begins with "
+                        "its ids, a chat's next turn, prefills only the rest)")
     a = p.parse_args(argv)
     if not 0 <= a.port <= 65535:
         p.error("--port must be in 0..65535")
@@ -737,7 +747,8 @@ def main(argv=None) -> int:
         name = Path(d).name if a.model is None or Path(a.model).is_dir() else a.model
         m = load_from_args(a)
         m.generate([0], max_new_tokens=2)   # compile the kernels now, not in the first request
-        m.state = None
+        m.release_state()
+        m.prefix_cache = not a.no_prefix_cache
     except (CheckpointError, ConfigError, TemplateError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

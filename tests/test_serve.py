@@ -351,6 +351,26 @@ def test_metrics(srv, ref):
     assert httpx.get(srv.url + "/metrics", headers={"Accept": "text/plain"}).text.startswith("# TYPE")
 
 
+def test_next_chat_turn_resumes_the_last_state(model_dir, ref):
+    """With the prefix cache (the CLI's default), a chat's second turn prefills only what follows
+    the ids the first turn ran through the model; usage and metrics report them as cached."""
+    s = ServerThread(create_app(engine.load(model_dir, device="cpu", prefix_cache=True), NAME))
+    try:
+        c = s.client()
+        r1 = c.chat.completions.create(model=NAME, messages=HELLO, max_tokens=12, temperature=0)
+        assert r1.usage.prompt_tokens_details.cached_tokens == 0
+        turn2 = HELLO + [{"role": "assistant", "content": r1.choices[0].message.content},
+                         {"role": "user", "content": "Again."}]
+        r2 = c.chat.completions.create(model=NAME, messages=turn2, max_tokens=12, temperature=0)
+        first = len(chat_ids(ref, HELLO))
+        cached = r2.usage.prompt_tokens_details.cached_tokens
+        assert first <= cached < r2.usage.prompt_tokens == len(chat_ids(ref, turn2))
+        assert s.wait_idle()["prompt_cached_tokens_total"] == cached
+        assert r2.choices[0].finish_reason in ("stop", "length")
+    finally:
+        s.stop()
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -488,3 +508,6 @@ def test_cli_serves_and_refuses_bad_flags(model_dir, tmp_path, capsys):
     assert "no such model folder" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--queue-size", "-1"])
+    from engine.serve import parse_args
+    assert parse_args(["--no-prefix-cache"]).no_prefix_cache
+    assert not parse_args([]).no_prefix_cache

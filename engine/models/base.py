@@ -155,6 +155,19 @@ class RunState:
         self.v = ops.zeros((c.n_layers, max_context, c.n_kv_heads, c.head_dim))
         self.pos = 0   # positions filled so far
 
+    def copy_into(self, dst, keep: int) -> None:
+        """dst (a larger state of the same model) takes this one's first keep positions."""
+        dst.k[:, :keep] = self.k[:, :keep]
+        dst.v[:, :keep] = self.v[:, :keep]
+        dst.pos = keep
+
+
+def resumable(st, keep: int, rewinds: bool) -> bool:
+    """Whether state st can serve a sequence whose first keep positions are st's: keep is
+    within what st holds, and below st.pos only where the state is the KV cache alone (a
+    recurrent state cannot go back)."""
+    return st is not None and 0 <= keep <= st.pos and (rewinds or keep == st.pos)
+
 
 def check_room(st, n: int) -> None:
     """Refuse n more tokens that would overrun a run state (CPU or GPU) of max_context rows."""
@@ -168,6 +181,7 @@ class MoeDecoder:
     holds them; `experts.fetch(layer, ids)` gives routed experts' weights (the engine resolves
     them across memory tiers); `on_route(layer, ids)` observes routing (traces, profiles)."""
     kv_bf16 = False   # K and V rounded to bfloat16 as stored (the engine's kv_cache="bf16")
+    rewinds = True    # a state may go back to an earlier position (its KV rows past it unused)
 
     def __init__(self, c: MoeConfig, ops, weights, experts, on_route=None):
         self.c, self.ops, self.w, self.experts = c, ops, weights, experts
@@ -176,6 +190,19 @@ class MoeDecoder:
 
     def new_state(self, max_context: int) -> RunState:
         return RunState(self.ops, self.c, max_context)
+
+    def resume_state(self, st, max_context: int, keep: int):
+        """A state of max_context positions whose first keep are st's (st itself when it is
+        large enough, else a new one they are copied into), or None where st cannot give them
+        (resumable()): the prompt's shared prefix is not computed again."""
+        if not resumable(st, keep, self.rewinds):
+            return None
+        if st.max_context >= max_context:
+            st.pos = keep
+            return st
+        new = self.new_state(max_context)
+        st.copy_into(new, keep)
+        return new
 
     def forward(self, ids: np.ndarray, st: RunState, all_logits: bool = False):
         """ids int [T] at positions st.pos.. -> logits [T, V] (all_logits) or [1, V] (last)."""

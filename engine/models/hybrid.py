@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.models.base import MoeConfig, MoeDecoder, expert_spec, need  # noqa: F401 (re-exported)
+from engine.models.base import MoeConfig, MoeDecoder, RunState, expert_spec, need  # noqa: F401 (re-exported)
 from engine.models.rope import ConfigError
 from engine.names import name
 
@@ -173,10 +173,17 @@ class HybridState:
         self.ssm = ops.zeros((ll, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim))
         self.pos = 0   # positions filled so far
 
+    def copy_into(self, dst, keep: int) -> None:
+        """RunState.copy_into and the recurrent state, which is at pos: keep must be pos."""
+        RunState.copy_into(self, dst, keep)
+        dst.conv[...] = self.conv
+        dst.ssm[...] = self.ssm
+
 
 class HybridDecoder(MoeDecoder):
     """MoeDecoder with a per-layer token mixer (Gated DeltaNet or gated attention), zero-centred
     RMSNorms (weight 1 + w) and a sigmoid-gated shared expert beside the routed experts."""
+    rewinds = False   # the DeltaNet layers' recurrent state holds every position up to pos
 
     def __init__(self, c: HybridConfig, ops, weights, experts, on_route=None):
         super().__init__(c, ops, weights, experts, on_route)
