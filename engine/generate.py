@@ -78,7 +78,9 @@ def main(argv=None) -> int:
                           "finish_reason": res.finish_reason, "stats": s}))
     else:
         sys.stdout.write("\n")
-        print(f"prefill: {s['prefill_tokens']} tokens at {s['prefill_tok_s']:.1f} tok/s | "
+        cached = s.get("prefill_cached_tokens", 0)
+        print(f"prefill: {s['prefill_tokens']} tokens{f' ({cached} resumed)' if cached else ''} "
+              f"at {s['prefill_tok_s']:.1f} tok/s | "
               f"decode: {s['decode_tokens']} tokens at {s['decode_tok_s']:.2f} tok/s | "
               f"device {m.device} | finish: {res.finish_reason}", file=sys.stderr)
         print(m.cores.describe(), file=sys.stderr)

@@ -323,6 +323,8 @@ class Engine:
         self.state = None
         self.prefix_cache = prefix_cache
         self._fed = None   # the ids self.state holds, in order (positions 0 .. len - 1)
+        self._epoch = 0    # bumped by whatever takes the state over: a generator closed after
+                           # that leaves _fed alone
         # cuda: decode tokens drawn on the device, only the id read back. "auto": greedy and
         # uncut sampling there; a top-k / top-p cut on the host, because the device kernel's
         # thresholds by bisection took 1.8 ms a token at 151,936 tokens on the H200 (the host
@@ -411,12 +413,14 @@ class Engine:
         """Logits at every position of ids, from an empty context: float32 [T, V]."""
         ids = np.asarray(ids, dtype=np.int64)
         self._fed = None   # (on cuda the decoder's one preallocated state is reused)
+        self._epoch += 1
         st = self.model.new_state(max(len(ids), 1))
         return np.asarray(self.model.forward(ids, st, all_logits=True))
 
     def release_state(self) -> None:
         """Drop the run state (and with it the prompt prefix a next generation could resume)."""
         self.state, self._fed = None, None
+        self._epoch += 1
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
@@ -458,6 +462,8 @@ class Engine:
         rng = np.random.default_rng(params.seed)
         st, keep = self._resume(prompt_ids, len(prompt_ids) + n_new)
         self.state, self._fed = st, None   # (until this generation ends cleanly)
+        self._epoch += 1
+        epoch = self._epoch
         t0 = time.perf_counter()
         logits = self.model.forward(np.asarray(prompt_ids[keep:], dtype=np.int64), st)
         t1 = time.perf_counter()
@@ -489,8 +495,10 @@ class Engine:
             ids.close()
             self._finish_stats(stats, c0)
             # the state holds the prompt and the generated ids a forward pass has taken (the
-            # last one yielded never went in); after an error it holds nothing reliable
-            self._fed = (prompt_ids + out)[:st.pos] if clean else None
+            # last one yielded never went in); after an error it holds nothing reliable; and
+            # if another generation (or logits()) has taken the state since, it is not ours
+            if self._epoch == epoch and self.state is st:
+                self._fed = (prompt_ids + out)[:st.pos] if clean else None
 
     def _resume(self, prompt_ids: list, need: int):
         """(run state for need positions, keep): the state of the last generation when the prompt

@@ -3,8 +3,8 @@ the ids the last generation ran through the model resumes from its run state.
 
 Tiny random models on the CPU backend: qwen3_moe (KV cache only: the state goes back to any
 shared prefix) and qwen3_next (a DeltaNet recurrent state: resumed only where the prompt
-extends everything the state holds). Each resumed generation must be the greedy continuation
-that a fresh engine computes for the whole prompt."""
+extends everything the state holds). A resumed prompt's last logits must be a fresh engine's
+for the whole prompt, and its greedy continuation the fresh engine's (up to near-ties)."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,12 +27,40 @@ HYBRID = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", v
 TIE = 1e-4
 
 
-def fresh_greedy_ok(fresh, prompt, got) -> None:
-    """got is the greedy continuation of prompt by an engine without reuse: equal argmax at each
-    step, or a near-tie (top-2 within TIE of the largest logit) after which the two may part."""
-    logits = fresh.logits(list(prompt) + list(got))
+class Recorder:
+    """Wraps an engine's model.forward: keeps the logits of each call (the first of a generation
+    is its prefill) and can make the call numbered fail_at raise."""
+
+    def __init__(self, m, fail_at: int | None = None):
+        self.m, self.forward, self.fail_at = m, m.model.forward, fail_at
+        self.calls, self.logits = 0, []
+        m.model.forward = self
+
+    def __call__(self, ids, st, all_logits=False):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("expert fetch failed")
+        out = self.forward(ids, st, all_logits)
+        self.logits.append(np.array(out[-1]))
+        return out
+
+
+def run(m, rec, prompt, n) -> tuple[list, dict]:
+    """n greedy ids after prompt (no stop id: a random model may draw its EOS early)."""
+    stats: dict = {}
+    rec.logits.clear()
+    out = list(m.stream(prompt, GenerationParams(max_new_tokens=n, stop_ids=()), stats))
+    return out, stats
+
+
+def check_fresh(fresh, rec, prompt, got) -> None:
+    """The prefill's last logits are the fresh engine's for the whole prompt, and got is its
+    greedy continuation: the same argmax each step, or a near-tie after which the two may part."""
+    want = fresh.logits(list(prompt) + list(got))
+    row = want[len(prompt) - 1]
+    assert np.abs(rec.logits[0] - row).max() <= 1e-4 * np.abs(row).max()
     for i, tok in enumerate(got):
-        row = logits[len(prompt) + i - 1]
+        row = want[len(prompt) + i - 1]
         best = int(np.argmax(row))
         if tok != best:
             assert row[best] - row[tok] <= TIE * max(1.0, float(np.abs(row).max())), (i, tok, best)
@@ -48,45 +76,51 @@ def models(tmp_path_factory):
             for name, cfg in (("moe", MOE), ("hybrid", HYBRID))}
 
 
+def other(t: int) -> int:
+    return (t + 1) % 250
+
+
 def test_kv_cache_state_goes_back_to_the_shared_prefix(models):
     m = engine.load(models["moe"], device="cpu", prefix_cache=True)
     fresh = engine.load(models["moe"], device="cpu")
+    rec = Recorder(m)
     rng = np.random.default_rng()
     p1 = rng.integers(0, 250, 12).tolist()
-    r1 = m.generate(p1, max_new_tokens=6)
-    assert r1.stats["prefill_cached_tokens"] == 0
+    out1, s1 = run(m, rec, p1, 6)
+    assert s1["prefill_cached_tokens"] == 0
     # a chat's next turn: the prompt, 4 of the 5 generated ids the model took in (the sixth
-    # was never fed), new ids; the state (12 + 6 rows) is too small and grows, keeping 16
-    p2 = p1 + r1.output_ids[:4] + rng.integers(0, 250, 5).tolist()
-    r2 = m.generate(p2, max_new_tokens=8)
-    assert r2.stats["prefill_cached_tokens"] == 16
-    assert r2.stats["prefill_tokens"] == len(p2)
-    fresh_greedy_ok(fresh, p2, r2.output_ids)
+    # never went in), then an id that is not the fifth; the state (12 + 6 rows) is too small
+    # and grows, keeping 16
+    p2 = p1 + out1[:4] + [other(out1[4])] + rng.integers(0, 250, 4).tolist()
+    out2, s2 = run(m, rec, p2, 8)
+    assert (s2["prefill_cached_tokens"], s2["prefill_tokens"]) == (16, len(p2))
+    check_fresh(fresh, rec, p2, out2)
     # an earlier turn edited: back to the 7 ids still shared, in the same (large enough) state
-    p3 = p2[:7] + [(p2[7] + 1) % 250] + p2[8:12]
-    r3 = m.generate(p3, max_new_tokens=6)
-    assert r3.stats["prefill_cached_tokens"] == 7
-    fresh_greedy_ok(fresh, p3, r3.output_ids)
+    p3 = p2[:7] + [other(p2[7])] + p2[8:12]
+    out3, s3 = run(m, rec, p3, 6)
+    assert s3["prefill_cached_tokens"] == 7
+    check_fresh(fresh, rec, p3, out3)
     # the same prompt again: all but its last id (whose logits start the generation)
-    r4 = m.generate(p3, max_new_tokens=6)
-    assert r4.stats["prefill_cached_tokens"] == len(p3) - 1
-    fresh_greedy_ok(fresh, p3, r4.output_ids)
+    out4, s4 = run(m, rec, p3, 6)
+    assert s4["prefill_cached_tokens"] == len(p3) - 1
+    check_fresh(fresh, rec, p3, out4)
 
 
 def test_recurrent_state_resumes_only_at_its_end(models):
     m = engine.load(models["hybrid"], device="cpu", prefix_cache=True)
     fresh = engine.load(models["hybrid"], device="cpu")
+    rec = Recorder(m)
     rng = np.random.default_rng()
     p1 = rng.integers(0, 250, 10).tolist()
-    r1 = m.generate(p1, max_new_tokens=5)
-    p2 = p1 + r1.output_ids[:4] + rng.integers(0, 250, 3).tolist()   # extends all 14 it holds
-    r2 = m.generate(p2, max_new_tokens=6)
-    assert r2.stats["prefill_cached_tokens"] == 14
-    fresh_greedy_ok(fresh, p2, r2.output_ids)
-    p3 = p2[:5] + [(p2[5] + 1) % 250]   # shares 5, but the recurrent state cannot go back
-    r3 = m.generate(p3, max_new_tokens=4)
-    assert r3.stats["prefill_cached_tokens"] == 0
-    fresh_greedy_ok(fresh, p3, r3.output_ids)
+    out1, _ = run(m, rec, p1, 5)
+    p2 = p1 + out1[:4] + rng.integers(0, 250, 3).tolist()   # extends all 14 ids it holds
+    out2, s2 = run(m, rec, p2, 6)
+    assert s2["prefill_cached_tokens"] == 14
+    check_fresh(fresh, rec, p2, out2)
+    p3 = p2[:5] + [other(p2[5])]   # shares 5, but the recurrent state cannot go back
+    out3, s3 = run(m, rec, p3, 4)
+    assert s3["prefill_cached_tokens"] == 0
+    check_fresh(fresh, rec, p3, out3)
 
 
 def test_off_by_default_and_forgotten(models):
@@ -105,19 +139,26 @@ def test_off_by_default_and_forgotten(models):
 
 def test_stopped_early_keeps_what_went_in(models):
     """A caller that stops reading (a stop string, a client gone) leaves the state holding the
-    prompt and the ids fed so far; an error leaves nothing to resume."""
+    prompt and the ids fed so far; a generator closed after another generation took the state
+    leaves it alone; a failed decode step leaves nothing to resume (the hybrid: its recurrent
+    state has moved)."""
     m = engine.load(models["moe"], device="cpu", prefix_cache=True)
     p = list(range(40, 52))
-    gen = m.stream(p, GenerationParams(max_new_tokens=10))
+    gen = m.stream(p, GenerationParams(max_new_tokens=10, stop_ids=()))
     got = [next(gen) for _ in range(4)]
     gen.close()
     r = m.generate(p + got + [5], max_new_tokens=2)
     assert r.stats["prefill_cached_tokens"] == len(p) + 3   # the fourth id never went in
+    old = m.stream(p, GenerationParams(max_new_tokens=10, stop_ids=()))
+    next(old)
+    q = list(range(60, 70))
+    m.generate(q, max_new_tokens=3)
+    old.close()              # must not claim that the state holds p
+    assert m.generate(q + [1], max_new_tokens=2).stats["prefill_cached_tokens"] == len(q)
 
-    def broken(*a, **k):
-        raise RuntimeError("expert fetch failed")
-    m.model.forward, forward = broken, m.model.forward
+    h = engine.load(models["hybrid"], device="cpu", prefix_cache=True)
+    rec = Recorder(h, fail_at=3)   # the prefill, one decode step, then a failure
     with pytest.raises(RuntimeError):
-        m.generate(p + [1, 2], max_new_tokens=3)
-    m.model.forward = forward
-    assert m.generate(p, max_new_tokens=2).stats["prefill_cached_tokens"] == 0
+        run(h, rec, p, 5)
+    rec.fail_at = None
+    assert run(h, rec, p + [1], 2)[1]["prefill_cached_tokens"] == 0
