@@ -80,14 +80,20 @@ def other(t: int) -> int:
     return (t + 1) % 250
 
 
-def test_kv_cache_state_goes_back_to_the_shared_prefix(models):
-    m = engine.load(models["moe"], device="cpu", prefix_cache=True)
-    fresh = engine.load(models["moe"], device="cpu")
+def first_turn(models, name, n_prompt, n_new):
+    """(engine with the cache, fresh engine, its recorder, rng, prompt, generated ids)."""
+    m = engine.load(models[name], device="cpu", prefix_cache=True)
+    fresh = engine.load(models[name], device="cpu")
     rec = Recorder(m)
     rng = np.random.default_rng()
-    p1 = rng.integers(0, 250, 12).tolist()
-    out1, s1 = run(m, rec, p1, 6)
+    p1 = rng.integers(0, 250, n_prompt).tolist()
+    out1, s1 = run(m, rec, p1, n_new)
     assert s1["prefill_cached_tokens"] == 0
+    return m, fresh, rec, rng, p1, out1
+
+
+def test_kv_cache_state_goes_back_to_the_shared_prefix(models):
+    m, fresh, rec, rng, p1, out1 = first_turn(models, "moe", 12, 6)
     # a chat's next turn: the prompt, 4 of the 5 generated ids the model took in (the sixth
     # never went in), then an id that is not the fifth; the state (12 + 6 rows) is too small
     # and grows, keeping 16
@@ -107,12 +113,7 @@ def test_kv_cache_state_goes_back_to_the_shared_prefix(models):
 
 
 def test_recurrent_state_resumes_only_at_its_end(models):
-    m = engine.load(models["hybrid"], device="cpu", prefix_cache=True)
-    fresh = engine.load(models["hybrid"], device="cpu")
-    rec = Recorder(m)
-    rng = np.random.default_rng()
-    p1 = rng.integers(0, 250, 10).tolist()
-    out1, _ = run(m, rec, p1, 5)
+    m, fresh, rec, rng, p1, out1 = first_turn(models, "hybrid", 10, 5)
     p2 = p1 + out1[:4] + rng.integers(0, 250, 3).tolist()   # extends all 14 ids it holds
     out2, s2 = run(m, rec, p2, 6)
     assert s2["prefill_cached_tokens"] == 14
