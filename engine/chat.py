@@ -1,0 +1,147 @@
+"""python -m engine.chat: a multi-turn chat with the model in the terminal.
+
+Each line read is a user message; the reply streams to stdout. The conversation goes through the
+model's chat template every turn, and the engine resumes from the last turn's run state (its
+prefix cache), so a turn prefills only what follows the ids already in the model: the history is
+not computed again. Commands: /reset (forget the conversation), /exit (or end of input). A
+summary line a turn (tokens/s, ids resumed) goes to stderr. Bad input exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.cli import add_load_args, load_from_args
+from loader.checkpoint import CheckpointError
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m engine.chat", description=__doc__.splitlines()[0])
+    add_load_args(p)
+    p.add_argument("--system", default=None, help="a system message first in the conversation")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="a reply's length at most")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's generation_config.json, else 0.7)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--think", choices=("on", "off"), default=None,
+                   help="chat_template_kwargs enable_thinking (Qwen3), where the template reads it")
+    a = p.parse_args(argv)
+    if a.max_new_tokens < 1:
+        p.error("--max-new-tokens must be at least 1")
+    if (a.temperature is not None and a.temperature < 0) or \
+            (a.top_p is not None and not 0 < a.top_p <= 1) or (a.top_k is not None and a.top_k < 0):
+        p.error("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    return a
+
+
+class Chat:
+    """The conversation and its turns on one engine (prefix cache on)."""
+
+    def __init__(self, m, system: str | None, params, template_kw: dict):
+        self.m, self.params, self.kw = m, params, template_kw
+        self.head = [{"role": "system", "content": system}] if system else []
+        self.turns: list[dict] = []
+        m.prefix_cache = True
+        m.tokenizer.apply_chat_template(self.head + [{"role": "user", "content": "hi"}], True,
+                                        None, **template_kw)   # no template: refuse before reading
+
+    def prompt_ids(self, user: str) -> tuple[list, int]:
+        """The ids of the conversation + user, and how many of the oldest exchanges (user
+        message and reply; never the system message or the new one) must leave it for the
+        prompt to leave room for a reply (max_new_tokens, or 16 ids when that is more)."""
+        m, drop = self.m, 0
+        while True:
+            msgs = self.head + self.turns[2 * drop:] + [{"role": "user", "content": user}]
+            text = m.tokenizer.apply_chat_template(msgs, True, None, **self.kw)
+            ids = m.tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) + min(self.params.max_new_tokens, 16) <= m.max_context or \
+                    2 * drop >= len(self.turns):
+                return ids, drop
+            drop += 1
+
+    def say(self, user: str, out) -> dict:
+        """One turn: the reply streams to out; returns the engine's stats."""
+        from dataclasses import replace
+
+        from engine.tokenizer import StreamDecoder
+        ids, dropped = self.prompt_ids(user)
+        self.turns = self.turns[2 * dropped:]
+        if dropped:
+            print(f"(the conversation outgrew the {self.m.max_context}-token context: the "
+                  f"{dropped} oldest exchange(s) left it)", file=sys.stderr)
+        room = self.m.max_context - len(ids)
+        if room < 1:
+            raise ValueError(f"the message is {len(ids)} tokens with the template; the context "
+                             f"holds {self.m.max_context} (raise --max-context)")
+        params = replace(self.params, max_new_tokens=min(self.params.max_new_tokens, room))
+        stats: dict = {}
+        dec, reply = StreamDecoder(self.m.tokenizer), []
+        stop = set(self.m.eos_ids)
+        for tid in self.m.stream(ids, params, stats):
+            if tid in stop:
+                break
+            reply.append(tid)
+            out.write(dec.push(tid))
+            out.flush()
+        out.write(dec.flush() + "\n")
+        out.flush()
+        self.turns += [{"role": "user", "content": user},
+                       {"role": "assistant", "content": self.m.tokenizer.decode(reply)}]
+        return stats
+
+    def reset(self) -> None:
+        self.turns = []
+
+
+def main(argv=None, stdin=None, stdout=None) -> int:
+    a = parse_args(argv)
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    from engine.models.rope import ConfigError
+    from engine.runtime import GenerationParams
+    from engine.tokenizer import TemplateError
+    errors = (CheckpointError, ConfigError, TemplateError, ValueError, RuntimeError, OSError)
+    try:
+        m = load_from_args(a)
+        gen = m.generation_defaults
+        params = GenerationParams(
+            a.max_new_tokens,
+            a.temperature if a.temperature is not None else float(gen.get("temperature", 0.7)),
+            a.top_k if a.top_k is not None else int(gen.get("top_k", 0)),
+            a.top_p if a.top_p is not None else float(gen.get("top_p", 1.0)), a.seed)
+        kw = {} if a.think is None else {"enable_thinking": a.think == "on"}
+        chat = Chat(m, a.system, params, kw)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tty = stdin.isatty()
+    if tty:
+        print(f"chatting with {m.dir.name} on {m.device} (context {m.max_context}); /reset, "
+              "/exit", file=sys.stderr)
+    while True:
+        if tty:
+            stdout.write(">>> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        user = line.rstrip("\n")
+        if user.strip() == "/reset":
+            chat.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if not user.strip():
+            continue
+        try:
+            s = chat.say(user, stdout)
+        except errors as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print(f"[{s['prefill_tokens']} prompt tokens, {s['prefill_cached_tokens']} resumed, "
+              f"prefill {s['prefill_tok_s']:.1f} tok/s | {s['decode_tokens']} decoded at "
+              f"{s['decode_tok_s']:.2f} tok/s]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""python -m engine.chat: the terminal chat on a tiny random qwen3_moe with a ChatML template
+(CPU): a turn is the engine's answer to the templated conversation, the next turn resumes the
+state (only what follows the ids already in the model is prefilled), /reset, a conversation that
+outgrows the context, a model without a chat template."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+import engine
+from engine.chat import Chat, main
+from engine.demo import DEMO_CONFIG, build_random_model
+from engine.runtime import GenerationParams
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONFIG = dict(DEMO_CONFIG, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              num_experts=4, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"weights seed {seed}")
+    d = build_random_model(tmp_path_factory.mktemp("chat") / "m", CONFIG, seed=seed)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHATML
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def template_ids(m, msgs) -> list:
+    return m.tokenizer.encode(m.tokenizer.apply_chat_template(msgs, True), add_special_tokens=False)
+
+
+def test_turns_resume_and_answer_as_the_engine(model_dir):
+    m = engine.load(model_dir, device="cpu")
+    fresh = engine.load(model_dir, device="cpu")
+    chat = Chat(m, "Be brief.", GenerationParams(12, 0.0), {})
+    out = io.StringIO()
+    s1 = chat.say("Hi there", out)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    first = template_ids(m, msgs)
+    want = fresh.generate(first, max_new_tokens=12)
+    reply = [t for t in want.output_ids if t not in m.eos_ids]
+    assert out.getvalue() == fresh.tokenizer.decode(reply) + "\n"
+    assert (s1["prefill_tokens"], s1["prefill_cached_tokens"]) == (len(first), 0)
+    assert chat.turns[-1] == {"role": "assistant", "content": fresh.tokenizer.decode(reply)}
+    s2 = chat.say("And again?", io.StringIO())
+    second = template_ids(m, msgs + chat.turns[1:2] + [{"role": "user", "content": "And again?"}])
+    assert s2["prefill_tokens"] == len(second)
+    assert s2["prefill_cached_tokens"] >= len(first)   # the first turn's prompt at least
+    assert len(chat.turns) == 4
+    chat.reset()
+    assert chat.turns == []
+
+
+def test_oldest_turns_leave_a_full_context(model_dir):
+    m = engine.load(model_dir, device="cpu", max_context=96)
+    chat = Chat(m, None, GenerationParams(8, 0.0), {})
+    for i in range(6):   # an exchange takes some 40-50 ids of the 96
+        ids, drop = chat.prompt_ids(f"message number {i}")
+        s = chat.say(f"message number {i}", io.StringIO())
+        assert s["prefill_tokens"] == len(ids) <= 96 - 8
+        if i >= 2:
+            assert drop >= 1
+    assert chat.turns[-2] == {"role": "user", "content": "message number 5"}
+    assert len(chat.turns) <= 4
+
+
+def test_cli_loop(model_dir, capsys):
+    stdin = io.StringIO("Hi\n\nAgain\n/reset\nHi\n/exit\nnever read\n")
+    out = io.StringIO()
+    assert main(["--model", str(model_dir), "--device", "cpu", "--temperature", "0",
+                 "--max-new-tokens", "6"], stdin=stdin, stdout=out) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("[")]
+    assert len(lines) == 3 and "(conversation cleared)" in err
+    assert " 0 resumed" in lines[0] and " 0 resumed" not in lines[1]
+    assert stdin.readline() == "never read\n"
+
+
+def test_no_chat_template_is_refused(tmp_path, capsys):
+    d = build_random_model(tmp_path / "m", CONFIG)
+    assert main(["--model", str(d), "--device", "cpu"], stdin=io.StringIO("Hi\n")) == 2
+    assert "no chat template" in capsys.readouterr().err
