@@ -81,18 +81,36 @@ def matvec_bf16(w, x, out):
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FM)
 def gemm_bf16(x, w, out):
-    """x [T, K] f32, w [N, K] uint16 (bf16 bits) -> out [T, N]; one pass over each weight row."""
+    """x [T, K] f32, w [N, K] uint16 (bf16 bits) -> out [T, N]; one pass over each weight row.
+    Rows go four at a time (decoded once into float32), so each x value loaded serves four
+    sums: 2-6x the one-row loop on the CPU machine (prefill's projections, docs/PERF.md)."""
     t, k = x.shape
     n = w.shape[0]
-    for i in prange(n):
-        row = np.empty(k, dtype=np.float32)
-        for j in range(k):
-            row[j] = np.uint32(np.uint32(w[i, j]) << np.uint32(16)).view(np.float32)
-        for tt in range(t):
-            acc = np.float32(0.0)
+    for b in prange((n + 3) // 4):
+        r0 = b * 4
+        nr = min(4, n - r0)
+        rows = np.zeros((4, k), dtype=np.float32)   # rows past n stay zero
+        for r in range(nr):
             for j in range(k):
-                acc += row[j] * x[tt, j]
-            out[tt, i] = acc
+                rows[r, j] = np.uint32(np.uint32(w[r0 + r, j]) << np.uint32(16)).view(np.float32)
+        for tt in range(t):
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for j in range(k):
+                xv = x[tt, j]
+                a0 += rows[0, j] * xv
+                a1 += rows[1, j] * xv
+                a2 += rows[2, j] * xv
+                a3 += rows[3, j] * xv
+            out[tt, r0] = a0
+            if nr > 1:
+                out[tt, r0 + 1] = a1
+            if nr > 2:
+                out[tt, r0 + 2] = a2
+            if nr > 3:
+                out[tt, r0 + 3] = a3
 
 
 @njit(parallel=True, cache=True, nogil=True)
