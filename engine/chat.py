@@ -50,7 +50,7 @@ class Chat:
     def prompt_ids(self, user: str) -> tuple[list, int]:
         """The ids of the conversation + user, and how many of the oldest exchanges (user
         message and reply; never the system message or the new one) must leave it for the
-        prompt to leave room for a reply (max_new_tokens, or 16 ids when that is more)."""
+        prompt to leave room for min(max_new_tokens, 16) ids of reply."""
         m, drop = self.m, 0
         while True:
             msgs = self.head + self.turns[2 * drop:] + [{"role": "user", "content": user}]
@@ -62,24 +62,18 @@ class Chat:
             drop += 1
 
     def say(self, user: str, out) -> dict:
-        """One turn: the reply streams to out; returns the engine's stats."""
-        from dataclasses import replace
-
+        """One turn: the reply streams to out; returns the engine's stats. (The engine cuts
+        max_new_tokens to the context's room and refuses a prompt that does not fit.)"""
         from engine.tokenizer import StreamDecoder
         ids, dropped = self.prompt_ids(user)
         self.turns = self.turns[2 * dropped:]
         if dropped:
             print(f"(the conversation outgrew the {self.m.max_context}-token context: the "
                   f"{dropped} oldest exchange(s) left it)", file=sys.stderr)
-        room = self.m.max_context - len(ids)
-        if room < 1:
-            raise ValueError(f"the message is {len(ids)} tokens with the template; the context "
-                             f"holds {self.m.max_context} (raise --max-context)")
-        params = replace(self.params, max_new_tokens=min(self.params.max_new_tokens, room))
         stats: dict = {}
         dec, reply = StreamDecoder(self.m.tokenizer), []
         stop = set(self.m.eos_ids)
-        for tid in self.m.stream(ids, params, stats):
+        for tid in self.m.stream(ids, self.params, stats):
             if tid in stop:
                 break
             reply.append(tid)

@@ -412,15 +412,21 @@ class Engine:
     def logits(self, ids) -> np.ndarray:
         """Logits at every position of ids, from an empty context: float32 [T, V]."""
         ids = np.asarray(ids, dtype=np.int64)
-        self._fed = None   # (on cuda the decoder's one preallocated state is reused)
-        self._epoch += 1
+        self._take_state()   # (on cuda the decoder's one preallocated state is reused)
         st = self.model.new_state(max(len(ids), 1))
         return np.asarray(self.model.forward(ids, st, all_logits=True))
 
     def release_state(self) -> None:
         """Drop the run state (and with it the prompt prefix a next generation could resume)."""
-        self.state, self._fed = None, None
+        self._take_state()
+        self.state = None
+
+    def _take_state(self) -> int:
+        """Something other than the last generation takes the run state: nothing is left to
+        resume, and a generator of before that closes later leaves _fed alone. The new epoch."""
+        self._fed = None
         self._epoch += 1
+        return self._epoch
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
@@ -461,9 +467,8 @@ class Engine:
         stop = set(self.eos_ids if params.stop_ids is None else params.stop_ids)
         rng = np.random.default_rng(params.seed)
         st, keep = self._resume(prompt_ids, len(prompt_ids) + n_new)
-        self.state, self._fed = st, None   # (until this generation ends cleanly)
-        self._epoch += 1
-        epoch = self._epoch
+        epoch = self._take_state()   # (_fed again once this generation ends cleanly)
+        self.state = st
         t0 = time.perf_counter()
         logits = self.model.forward(np.asarray(prompt_ids[keep:], dtype=np.int64), st)
         t1 = time.perf_counter()
