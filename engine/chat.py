@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli import add_load_args, load_from_args
+from engine.cli import add_load_args, add_prefix_args, check_prefix_args, load_from_args
 from loader.checkpoint import CheckpointError
 
 
@@ -27,7 +27,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--think", choices=("on", "off"), default=None,
                    help="chat_template_kwargs enable_thinking (Qwen3), where the template reads it")
+    add_prefix_args(p)
     a = p.parse_args(argv)
+    check_prefix_args(p, a)
     if a.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
     if (a.temperature is not None and a.temperature < 0) or \

@@ -37,6 +37,19 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         "cores but the decode core; the only one when just one is allowed)")
 
 
+def add_prefix_args(p: argparse.ArgumentParser) -> None:
+    """For the commands that resume prompts from earlier run states (serve, chat)."""
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0, metavar="GB",
+                   help="host RAM for copies of earlier run states that a later prompt may "
+                        "resume from, e.g. a chat's state while a UI's title request ran "
+                        "(default 1; 0: the last request's state only)")
+
+
+def check_prefix_args(p: argparse.ArgumentParser, a) -> None:
+    if a.prefix_cache_gb < 0:
+        p.error("--prefix-cache-gb must be >= 0")
+
+
 def _arg(parse):
     """An argparse type from a parser that raises ValueError: the message names the flag already,
     argparse prefixes 'argument --flag:', so keep what follows the flag."""
@@ -63,4 +76,4 @@ def load_from_args(a):
                        cache_policy=a.cache_policy, reader_threads=a.reader_threads,
                        vram_gb=a.vram_gb, hot_from=a.hot_from, prefill_batch=a.prefill_batch,
                        speculate=a.speculate, decode_core=a.decode_core, reader_cores=a.reader_cores,
-                       kv_cache=a.kv_cache)
+                       kv_cache=a.kv_cache, prefix_cache_gb=getattr(a, "prefix_cache_gb", 1.0))

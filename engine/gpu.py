@@ -114,6 +114,19 @@ class GpuRunState:
                   for _ in range(c.n_layers)]
         self.pos = 0
 
+    def save(self, keep: int, stream) -> dict:
+        """Host copies of the first keep cache rows of every layer, for load()."""
+        out = {"k": [a[:keep].copy_to_host(stream=stream) for a in self.k],
+               "v": [a[:keep].copy_to_host(stream=stream) for a in self.v]}
+        stream.synchronize()
+        return out
+
+    def load(self, saved: dict, keep: int, stream) -> None:
+        """Take the first keep rows of a save() (copies queued on stream, before its kernels)."""
+        for a, h in zip(self.k + self.v, saved["k"] + saved["v"]):
+            a[:keep].copy_to_device(np.ascontiguousarray(h[:keep]), stream=stream)
+        self.pos = keep
+
 
 _QKV = ("q", "k", "v")
 
@@ -334,6 +347,17 @@ class GpuDecoder:
                 not resumable(st, keep, self.rewinds):
             return None
         st.pos = keep
+        return st
+
+    def save_state(self, st, keep: int) -> dict:
+        """As MoeDecoder.save_state: host copies of the state's first keep rows."""
+        return st.save(keep, self.cs) if keep else {"k": [], "v": []}
+
+    def restore_state(self, saved: dict, max_context: int, keep: int):
+        """As MoeDecoder.restore_state, into the one preallocated state."""
+        st = self.new_state(max_context)
+        if keep:
+            st.load(saved, keep, self.cs)
         return st
 
     def _buffers(self, t: int) -> Buffers:

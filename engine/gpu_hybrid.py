@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from engine.gpu import Buffers, GpuDecoder, _partials
+from engine.gpu import Buffers, GpuDecoder, GpuRunState, _partials
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.models.hybrid import FULL, LINEAR, qkvz_order
@@ -151,6 +151,16 @@ class GpuHybridState:
         self.conv = cuda.device_array((ll, c.conv_kernel - 1, c.conv_dim), f)
         self.ssm = cuda.device_array((ll, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), f)
         self.pos = 0
+
+    def save(self, keep: int, stream) -> dict:
+        """GpuRunState.save and the recurrent state, which is at pos: keep must be pos."""
+        conv, ssm = self.conv.copy_to_host(stream=stream), self.ssm.copy_to_host(stream=stream)
+        return dict(GpuRunState.save(self, keep, stream), conv=conv, ssm=ssm)
+
+    def load(self, saved: dict, keep: int, stream) -> None:
+        GpuRunState.load(self, saved, keep, stream)
+        self.conv.copy_to_device(saved["conv"], stream=stream)
+        self.ssm.copy_to_device(saved["ssm"], stream=stream)
 
 
 class GpuHybridDecoder(GpuDecoder):

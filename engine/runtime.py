@@ -21,6 +21,7 @@ import numpy as np
 from engine.affinity import pin_current_thread, plan_cores
 from engine.models import CPU_ONLY, family_of
 from engine.names import expert_names, name
+from engine.prefix import PrefixStore, usable
 from engine.tokenizer import StreamDecoder, load_tokenizer
 from loader.checkpoint import Checkpoint
 
@@ -259,7 +260,7 @@ class Engine:
                  cache_policy: str = "lru", reader_threads: int = 4, vram_gb: float | None = None,
                  hot_from: str | None = None, prefill_batch: int = 32, speculate: bool = False,
                  decode_core: int | str | None = "auto", reader_cores=None, kv_cache: str = "f32",
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, prefix_cache_gb: float = 1.0):
         """decode_core: the core the generating thread is pinned to while it generates ('auto':
         the last allowed core on cuda, unpinned on cpu; None or -1: unpinned); reader_cores: the
         arena reader threads' cores (None: the allowed cores but the decode one). engine/affinity.py
@@ -267,7 +268,10 @@ class Engine:
         cache's VRAM on cuda; the CPU backend rounds the same way in a float32 cache).
         prefix_cache: a prompt that begins with the ids the last generation ran through the
         model (a chat's next turn) resumes from that run state: only the rest is prefilled
-        (engine.serve turns it on; off, each generation starts from an empty state)."""
+        (engine.serve turns it on; off, each generation starts from an empty state).
+        prefix_cache_gb: host RAM for copies of run states that another prompt took over (a
+        UI's title request between two turns of a chat), resumed the same way (engine/prefix.py);
+        0: the live state alone."""
         if kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache {kv_cache!r}: expected one of {', '.join(KV_CACHE_KINDS)}")
         self.kv_cache = kv_cache
@@ -322,6 +326,7 @@ class Engine:
         self.generation_defaults = gen
         self.state = None
         self.prefix_cache = prefix_cache
+        self.saved = PrefixStore(int(prefix_cache_gb * 1e9), self.model.rewinds)
         self._fed = None   # the ids self.state holds, in order (positions 0 .. len - 1)
         self._epoch = 0    # bumped by whatever takes the state over: a generator closed after
                            # that leaves _fed alone
@@ -417,9 +422,11 @@ class Engine:
         return np.asarray(self.model.forward(ids, st, all_logits=True))
 
     def release_state(self) -> None:
-        """Drop the run state (and with it the prompt prefix a next generation could resume)."""
+        """Drop the run state and the saved copies (the prompt prefixes a next generation could
+        resume)."""
         self._take_state()
         self.state = None
+        self.saved.clear()
 
     def _take_state(self) -> int:
         """Something other than the last generation takes the run state: nothing is left to
@@ -466,13 +473,18 @@ class Engine:
         n_new = min(params.max_new_tokens, budget)
         stop = set(self.eos_ids if params.stop_ids is None else params.stop_ids)
         rng = np.random.default_rng(params.seed)
-        st, keep = self._resume(prompt_ids, len(prompt_ids) + n_new)
+        st, keep, src = self._resume(prompt_ids, len(prompt_ids) + n_new)
         epoch = self._take_state()   # (_fed again once this generation ends cleanly)
         self.state = st
         t0 = time.perf_counter()
         logits = self.model.forward(np.asarray(prompt_ids[keep:], dtype=np.int64), st)
+        if self.prefix_cache and not self.model.rewinds and self.saved.budget:
+            # a recurrent state cannot go back: keep it at the prompt's end, for a next turn
+            # whose history differs from what this one generates
+            self.saved.add(prompt_ids, self.model.save_state(st, st.pos))
         t1 = time.perf_counter()
-        stats.update(prefill_tokens=len(prompt_ids), prefill_cached_tokens=keep, prefill_s=t1 - t0,
+        stats.update(prefill_tokens=len(prompt_ids), prefill_cached_tokens=keep,
+                     prefill_cached_from=src, prefill_s=t1 - t0,
                      prefill_tok_s=(len(prompt_ids) - keep) / max(t1 - t0, 1e-9), decode_tokens=0,
                      decode_s=0.0)
         stats["finish_reason"] = "length"
@@ -506,18 +518,25 @@ class Engine:
                 self._fed = (prompt_ids + out)[:st.pos] if clean else None
 
     def _resume(self, prompt_ids: list, need: int):
-        """(run state for need positions, keep): the state of the last generation when the prompt
-        begins with ids it holds (keep of them, at most all but the last prompt id, whose
-        logits are wanted), else a fresh one (keep 0)."""
-        fed = self._fed if self.prefix_cache else None
-        if fed:
-            n = min(len(fed), len(prompt_ids) - 1)
-            diff = np.flatnonzero(np.asarray(fed[:n]) != np.asarray(prompt_ids[:n]))
-            keep = int(diff[0]) if diff.size else n
-            st = self.model.resume_state(self.state, need, keep) if keep else None
-            if st is not None:
-                return st, keep
-        return self.model.new_state(need), 0
+        """(run state for need positions, keep, where from): the state that holds the longest
+        prefix of the prompt (keep ids of it, at most all but the last prompt id, whose logits
+        are wanted): the live state of the last generation, or a saved copy restored into a
+        state; else a fresh one (keep 0). A live state whose ids the prompt leaves before their
+        end is saved first: the prefill overwrites them."""
+        if not self.prefix_cache:
+            return self.model.new_state(need), 0, None
+        n, fed, rewinds = len(prompt_ids) - 1, self._fed, self.model.rewinds
+        live = usable(fed, prompt_ids, n, rewinds) if fed else 0
+        copy, k = self.saved.best(prompt_ids, n)
+        if fed and live < len(fed) and self.saved.budget and not self.saved.covers(fed):
+            self.saved.add(fed, self.model.save_state(self.state, len(fed)))
+        if copy is not None and k > live:
+            self.saved.touch(copy)
+            return self.model.restore_state(copy.arrays, need, k), k, "saved"
+        st = self.model.resume_state(self.state, need, live) if live else None
+        if st is not None:
+            return st, live, "live"
+        return self.model.new_state(need), 0, None
 
     def _sampled_ids(self, logits, st, params: GenerationParams, rng, n: int) -> Iterator[int]:
         """n ids: the first from the prompt's last logits [V] on the host, then one forward pass

@@ -345,7 +345,10 @@ class Metrics:
     requests_rejected_total: int = 0    # 503, queue full
     requests_failed_total: int = 0
     prompt_tokens_total: int = 0
-    prompt_cached_tokens_total: int = 0   # of those, resumed from the last run state
+    prompt_cached_tokens_total: int = 0   # of those, resumed from an earlier run state
+    prompt_cached_from_saved_total: int = 0   # requests resumed from a saved copy (engine/prefix.py)
+    prefix_saved_states: int = 0        # copies of run states kept for resuming, and their bytes
+    prefix_saved_bytes: int = 0
     completion_tokens_total: int = 0
     last_prompt_tokens: int = 0
     last_completion_tokens: int = 0
@@ -480,6 +483,9 @@ class Worker:
             m.prompt_tokens_total += len(job.req.prompt_ids)
             job.cached_tokens = int(stats.get("prefill_cached_tokens", 0))
             m.prompt_cached_tokens_total += job.cached_tokens
+            m.prompt_cached_from_saved_total += stats.get("prefill_cached_from") == "saved"
+            saved = self.engine.saved
+            m.prefix_saved_states, m.prefix_saved_bytes = len(saved.items), saved.nbytes
             m.completion_tokens_total += n
             m.last_prompt_tokens, m.last_completion_tokens = len(job.req.prompt_ids), n
             m.last_prefill_tok_s = float(stats.get("prefill_tok_s", 0.0))
@@ -710,7 +716,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, queue_size: 
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    from engine.cli import add_load_args
+    from engine.cli import add_load_args, add_prefix_args, check_prefix_args
     p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.splitlines()[0])
     add_load_args(p)
     p.add_argument("--host", default="127.0.0.1",
@@ -725,7 +731,9 @@ def parse_args(argv=None):
                    help="prefill every prompt whole and free the KV cache between requests "
                         "(default: keep the last request's run state; a prompt that begins with "
                         "its ids, a chat's next turn, prefills only the rest)")
+    add_prefix_args(p)
     a = p.parse_args(argv)
+    check_prefix_args(p, a)
     if not 0 <= a.port <= 65535:
         p.error("--port must be in 0..65535")
     if a.queue_size < 0:

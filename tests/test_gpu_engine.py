@@ -8,7 +8,7 @@ import torch
 
 import engine
 from conftest import (assert_greedy, build_hf_model, check_device_sampling_equals_host,
-                      check_graph_replay_equals_eager, hf_reference, rel_err)
+                      check_graph_replay_equals_eager, hf_reference, load_streamed, rel_err)
 from engine.pack import pack
 
 pytestmark = pytest.mark.gpu
@@ -142,3 +142,53 @@ def test_dense_layers_streamed_same_tokens(tmp_path):
     assert b.stats["vram"]["dense_h2d_bytes"] > 0
     small.gpu.use_graphs = False   # the eager path streams the same way
     assert small.generate(prompt, max_new_tokens=16).output_ids == a.output_ids
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_prefix_cache_resumes_the_last_state(tmp_path, resident):
+    """Engine(prefix_cache=True) on the cuda backend (the one preallocated state, its position
+    set back, a copy of it in host RAM put back): a chat's next turn resumes what the last
+    generation fed although a title request came between (from the copy saved before that
+    request took the state), and an edited earlier turn goes back to the shared prefix. The
+    resumed prefill's logits are those of the same passes replayed on a fresh engine's state
+    (prefill, one decode step an id, then the rest), and the tokens are a fresh engine's for
+    the whole prompt."""
+    src = tmp_path / "src"
+    build_hf_model(src, "qwen3_moe", num_experts=8, num_experts_per_tok=2, hidden_size=64)
+    pack(src, tmp_path / "p", "nvfp4", progress=False)
+    load = (lambda **kw: engine.load(tmp_path / "p", device="cuda", **kw)) if resident else \
+        (lambda **kw: load_streamed(tmp_path / "p", **kw))
+    m, fresh = load(prefix_cache=True), load()
+    prefills = []
+    forward = m.model.forward
+
+    def recorded(ids, st, all_logits=False):
+        out = forward(ids, st, all_logits)
+        if len(ids) > 1:   # a prefill (decode steps may come here one id at a time)
+            prefills.append(np.array(out[-1]))
+        return out
+    m.model.forward = recorded
+
+    rng = np.random.default_rng()
+    p1 = rng.integers(0, 300, 12).tolist()
+    out1 = m.generate(p1, max_new_tokens=6).output_ids
+    m.generate([(p1[0] + 1) % 300] + p1[1:5], max_new_tokens=3)   # the title request
+    p2 = p1 + out1[:4] + [(out1[4] + 1) % 300] + rng.integers(0, 300, 4).tolist()
+    r2 = m.generate(p2, max_new_tokens=8)
+    assert (r2.stats["prefill_cached_tokens"], r2.stats["prefill_cached_from"]) == (16, "saved")
+    p3 = p2[:7] + [(p2[7] + 1) % 300] + p2[8:12]
+    r3 = m.generate(p3, max_new_tokens=6)
+    assert (r3.stats["prefill_cached_tokens"], r3.stats["prefill_cached_from"]) == (7, "live")
+
+    fm = fresh.model
+    st = fm.new_state(64)
+    fm.forward(np.array(p1), st)
+    for t in out1[:4]:
+        fm.forward(np.array([t]), st)
+    want2 = fm.forward(np.array(p2[16:]), st)[-1]
+    st.pos = 7
+    want3 = fm.forward(np.array(p3[7:]), st)[-1]
+    for got, want in ((prefills[-2], want2), (prefills[-1], want3)):
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert r2.output_ids == fresh.generate(p2, max_new_tokens=8).output_ids
+    assert r3.output_ids == fresh.generate(p3, max_new_tokens=6).output_ids

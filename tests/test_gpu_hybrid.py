@@ -392,6 +392,40 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
 
 
 @pytest.mark.gpu
+def test_prefix_cache_resumes_at_the_prompt_end(tmp_path):
+    """cuda, prefix cache on: a next prompt that leaves the generated ids early (a template that
+    rewrites the last reply) resumes from the copy of the recurrent state kept at the last
+    prompt's end, put back into the one device state: its logits are those of the two prompts'
+    pieces prefilled one after the other on a fresh engine, its tokens a fresh engine's."""
+    import engine
+    from engine.pack import pack
+    _tiny(tmp_path / "src", "qwen3_next", num_experts=8, num_experts_per_tok=2)
+    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
+    m = engine.load(tmp_path / "p", device="cuda", prefix_cache=True)
+    fresh = engine.load(tmp_path / "p", device="cuda")
+    prefills = []
+    forward = m.model.forward
+
+    def recorded(ids, st, all_logits=False):
+        out = forward(ids, st, all_logits)
+        if len(ids) > 1:
+            prefills.append(np.array(out[-1]))
+        return out
+    m.model.forward = recorded
+    rng = np.random.default_rng()
+    p1 = rng.integers(0, 250, 12).tolist()
+    out1 = m.generate(p1, max_new_tokens=5).output_ids
+    p2 = p1 + [(out1[0] + 1) % 250] + rng.integers(0, 250, 4).tolist()
+    r2 = m.generate(p2, max_new_tokens=6)
+    assert (r2.stats["prefill_cached_tokens"], r2.stats["prefill_cached_from"]) == (12, "saved")
+    st = fresh.model.new_state(64)
+    fresh.model.forward(np.array(p1), st)
+    want = fresh.model.forward(np.array(p2[12:]), st)[-1]
+    assert np.abs(prefills[-1] - want).max() <= 1e-5 * np.abs(want).max()
+    assert r2.output_ids == fresh.generate(p2, max_new_tokens=6).output_ids
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
 def test_graph_replay_equals_eager(tmp_path, resident):
     from conftest import check_graph_replay_equals_eager

@@ -146,6 +146,78 @@ def test_recurrent_state_resumes_only_at_its_end(models):
     check_fresh(fresh, rec, p3, out3)
 
 
+def test_a_request_between_turns_changes_nothing(models):
+    """A UI's title request between two turns of a chat takes the live state; the chat's next
+    turn resumes from the copy saved before it did, exactly as if the request had not come:
+    the same ids resumed, the same prefill logits (bit for bit), the same tokens. Without
+    room for copies (prefix_cache_gb=0) the turn starts from nothing."""
+    rng = np.random.default_rng()
+    p1 = rng.integers(0, 250, 14).tolist()
+    title = [other(p1[0])] + rng.integers(0, 250, 9).tolist()
+    for name in ("moe", "hybrid"):
+        runs = {}
+        for between in (False, True):
+            m = engine.load(models[name], device="cpu", prefix_cache=True)
+            rec = Recorder(m)
+            out1, _ = run(m, rec, p1, 5)
+            if between:
+                run(m, rec, title, 3)
+            p2 = p1 + out1[:4] + rng.integers(0, 250, 3).tolist() if not runs else runs[False][2]
+            out2, s2 = run(m, rec, p2, 6)
+            runs[between] = (out2, s2, p2, rec.logits[0])
+        (a, sa, _, la), (b, sb, _, lb) = runs[False], runs[True]
+        assert sa["prefill_cached_tokens"] == sb["prefill_cached_tokens"] == len(p1) + 4, name
+        assert (sa["prefill_cached_from"], sb["prefill_cached_from"]) == ("live", "saved")
+        assert a == b and np.array_equal(la, lb), name
+        m = engine.load(models[name], device="cpu", prefix_cache=True, prefix_cache_gb=0)
+        out1 = m.generate(p1, max_new_tokens=5).output_ids
+        m.generate(title, max_new_tokens=3)
+        r = m.generate(p1 + out1[:4] + [1, 2], max_new_tokens=2)
+        assert r.stats["prefill_cached_tokens"] == 0 and not m.saved.items
+
+
+def test_recurrent_state_kept_at_the_prompt_end(models):
+    """A chat template that rewrites the last reply in the history (Qwen3 drops the reasoning)
+    gives a next prompt that leaves the generated ids early: a recurrent model resumes at the
+    end of the last prompt, from the copy kept there; its logits are those of the two prompts'
+    pieces prefilled one after the other."""
+    m, fresh, rec, rng, p1, out1 = first_turn(models, "hybrid", 12, 5)
+    p2 = p1 + [other(out1[0])] + rng.integers(0, 250, 4).tolist()
+    out2, s2 = run(m, rec, p2, 4)
+    assert (s2["prefill_cached_tokens"], s2["prefill_cached_from"]) == (len(p1), "saved")
+    st = fresh.model.new_state(64)
+    fresh.model.forward(np.asarray(p1), st)
+    want = np.asarray(fresh.model.forward(np.asarray(p2[len(p1):]), st))[-1]
+    assert np.array_equal(rec.logits[0], want)
+    m.release_state()
+    assert not m.saved.items
+    assert run(m, rec, p2, 2)[1]["prefill_cached_tokens"] == 0
+
+
+def test_store_keeps_what_serves_and_fits():
+    """PrefixStore: the copy a prompt goes furthest into; a copy whose ids another begins with
+    goes (KV cache) or stays (recurrent: it serves other prompts); least recently used out
+    first within the budget; one larger than the budget is refused."""
+    from engine.prefix import PrefixStore, usable
+    a = {"k": np.zeros(10, np.float32)}   # 40 bytes
+    kv = PrefixStore(100, rewinds=True)
+    assert kv.add([1, 2, 3], a) and kv.add([1, 2, 3, 4, 5], a)
+    assert [s.ids for s in kv.items] == [[1, 2, 3, 4, 5]]   # holds all the first one did
+    assert kv.covers([1, 2]) and not kv.covers([1, 2, 9])
+    kv.add([7, 8], a)
+    assert kv.best([1, 2, 3, 4, 9, 9], 5)[1] == 4 and kv.best([1, 2], 1)[1] == 1
+    kv.touch(kv.items[0])                 # [1..5] used last: [7, 8] goes first
+    kv.add([9], a)
+    assert [s.ids for s in kv.items] == [[1, 2, 3, 4, 5], [9]]
+    assert not kv.add([5], {"k": np.zeros(30, np.float32)}) and kv.nbytes == 80
+    rec = PrefixStore(100, rewinds=False)
+    rec.add([1, 2, 3], a)
+    rec.add([1, 2, 3, 4, 5], a)
+    assert len(rec.items) == 2 and not rec.covers([1, 2])
+    assert rec.best([1, 2, 3, 4, 9], 4) == (rec.items[0], 3)
+    assert usable([1, 2, 3], [1, 2, 9], 2, False) == 0 and usable([1, 2, 3], [1, 2, 9], 2, True) == 2
+
+
 def test_off_by_default_and_forgotten(models):
     m = engine.load(models["moe"], device="cpu")
     p = list(range(20, 32))
@@ -154,7 +226,11 @@ def test_off_by_default_and_forgotten(models):
     m.prefix_cache = True
     m.generate(p, max_new_tokens=3)
     assert m.generate(p, max_new_tokens=3).stats["prefill_cached_tokens"] == len(p) - 1
-    m.logits(p[:4])          # another sequence went through the model: nothing to resume
+    m.logits(p[:4])          # another sequence went through the model: nothing live to resume,
+    r = m.generate(p, max_new_tokens=3)   # but the copy saved when the second run began
+    assert (r.stats["prefill_cached_tokens"], r.stats["prefill_cached_from"]) == (len(p) - 1, "saved")
+    m.logits(p[:4])
+    m.saved.clear()
     assert m.generate(p, max_new_tokens=3).stats["prefill_cached_tokens"] == 0
     m.release_state()
     assert m.generate(p, max_new_tokens=3).stats["prefill_cached_tokens"] == 0
@@ -163,8 +239,8 @@ def test_off_by_default_and_forgotten(models):
 def test_stopped_early_keeps_what_went_in(models):
     """A caller that stops reading (a stop string, a client gone) leaves the state holding the
     prompt and the ids fed so far; a generator closed after another generation took the state
-    leaves it alone; a failed decode step leaves nothing to resume (the hybrid: its recurrent
-    state has moved)."""
+    leaves it alone; a failed decode step leaves nothing live to resume (the hybrid: its
+    recurrent state has moved), only the copy kept at the prompt's end."""
     m = engine.load(models["moe"], device="cpu", prefix_cache=True)
     p = list(range(40, 52))
     gen = m.stream(p, GenerationParams(max_new_tokens=10, stop_ids=()))
@@ -181,6 +257,13 @@ def test_stopped_early_keeps_what_went_in(models):
 
     h = engine.load(models["hybrid"], device="cpu", prefix_cache=True)
     rec = Recorder(h, fail_at=3)   # the prefill, one decode step, then a failure
+    with pytest.raises(RuntimeError):
+        run(h, rec, p, 5)
+    rec.fail_at = None
+    s = run(h, rec, p + [1], 2)[1]   # not the live state: the copy kept at the prompt's end
+    assert (s["prefill_cached_tokens"], s["prefill_cached_from"]) == (len(p), "saved")
+    h = engine.load(models["hybrid"], device="cpu", prefix_cache=True, prefix_cache_gb=0)
+    rec = Recorder(h, fail_at=3)
     with pytest.raises(RuntimeError):
         run(h, rec, p, 5)
     rec.fail_at = None

@@ -9,6 +9,8 @@
 #   c: the grouped (prefill) expert tests beside tests/test_attention_decode.py then
 #      tests/test_kv_cache_bf16.py (b: 431 s; c's grouped tests 453 s; the bf16 cache tests
 #      about 150 s on 2026-12-01)
+#   e: tests/test_gpu_engine.py beside tests/test_gpu_hybrid.py (a without the families and the
+#      fused norms: the engine's state paths, the prefix cache's among them)
 # Both or all three of a group's processes run side by side: numba compiles on the CPU, so more
 # than two or three at once slow each other down (four side by side each ran past 250 s on
 # 2026-11-30; on 2026-12-01 b's two halves beside a third process each passed 331 s unfinished,
@@ -35,7 +37,8 @@ case "${1:-a}" in
            -k "not test_experts_gpu and not grouped" & wait ;;
     c) run grouped tests/test_cuda_kernels.py -k grouped &
        { run attention tests/test_attention_decode.py; run kv tests/test_kv_cache_bf16.py; } & wait ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c" >&2; exit 2 ;;
+    e) run engine tests/test_gpu_engine.py & run hybrid tests/test_gpu_hybrid.py & wait ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do

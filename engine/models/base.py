@@ -161,6 +161,16 @@ class RunState:
         dst.v[:, :keep] = self.v[:, :keep]
         dst.pos = keep
 
+    def save(self, keep: int) -> dict:
+        """A copy of what the first keep positions left, for load()."""
+        return {"k": self.k[:, :keep].copy(), "v": self.v[:, :keep].copy()}
+
+    def load(self, saved: dict, keep: int) -> None:
+        """Take the first keep positions of a save()."""
+        self.k[:, :keep] = saved["k"][:, :keep]
+        self.v[:, :keep] = saved["v"][:, :keep]
+        self.pos = keep
+
 
 def resumable(st, keep: int, rewinds: bool) -> bool:
     """Whether state st can serve a sequence whose first keep positions are st's: keep is
@@ -203,6 +213,17 @@ class MoeDecoder:
         new = self.new_state(max_context)
         st.copy_into(new, keep)
         return new
+
+    def save_state(self, st, keep: int) -> dict:
+        """A host copy of what st's first keep positions left (engine/prefix.py)."""
+        return st.save(keep)
+
+    def restore_state(self, saved: dict, max_context: int, keep: int):
+        """A state of max_context positions holding the first keep of a save_state() (all of it
+        where the state cannot go back)."""
+        st = self.new_state(max_context)
+        st.load(saved, keep)
+        return st
 
     def forward(self, ids: np.ndarray, st: RunState, all_logits: bool = False):
         """ids int [T] at positions st.pos.. -> logits [T, V] (all_logits) or [1, V] (last)."""

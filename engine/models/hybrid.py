@@ -179,6 +179,15 @@ class HybridState:
         dst.conv[...] = self.conv
         dst.ssm[...] = self.ssm
 
+    def save(self, keep: int) -> dict:
+        """RunState.save and the recurrent state, which is at pos: keep must be pos."""
+        return dict(RunState.save(self, keep), conv=self.conv.copy(), ssm=self.ssm.copy())
+
+    def load(self, saved: dict, keep: int) -> None:
+        RunState.load(self, saved, keep)
+        self.conv[...] = saved["conv"]
+        self.ssm[...] = saved["ssm"]
+
 
 class HybridDecoder(MoeDecoder):
     """MoeDecoder with a per-layer token mixer (Gated DeltaNet or gated attention), zero-centred
