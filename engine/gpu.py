@@ -114,6 +114,9 @@ class GpuRunState:
                   for _ in range(c.n_layers)]
         self.pos = 0
 
+    def save_nbytes(self, keep: int) -> int:
+        return sum(a.nbytes // a.shape[0] * keep for a in self.k + self.v)
+
     def save(self, keep: int, stream) -> dict:
         """Host copies of the first keep cache rows of every layer, for load()."""
         out = {"k": [a[:keep].copy_to_host(stream=stream) for a in self.k],

@@ -152,6 +152,9 @@ class GpuHybridState:
         self.ssm = cuda.device_array((ll, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), f)
         self.pos = 0
 
+    def save_nbytes(self, keep: int) -> int:
+        return GpuRunState.save_nbytes(self, keep) + self.conv.nbytes + self.ssm.nbytes
+
     def save(self, keep: int, stream) -> dict:
         """GpuRunState.save and the recurrent state, which is at pos: keep must be pos."""
         conv, ssm = self.conv.copy_to_host(stream=stream), self.ssm.copy_to_host(stream=stream)

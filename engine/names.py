@@ -61,6 +61,20 @@ _SIGMOID_MOE = {
     "shared_down": "model.layers.{l}.mlp.shared_experts.down_proj.weight",
 }
 
+# DeepSeek-V3: multi-head latent attention (low-rank q, a shared latent for k and v) and the MoE
+# above.
+_DEEPSEEK_V3 = {
+    **_SIGMOID_MOE,
+    "q_a": "model.layers.{l}.self_attn.q_a_proj.weight",
+    "q_a_bias": "model.layers.{l}.self_attn.q_a_proj.bias",
+    "q_a_norm": "model.layers.{l}.self_attn.q_a_layernorm.weight",
+    "q_b": "model.layers.{l}.self_attn.q_b_proj.weight",
+    "kv_a": "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_bias": "model.layers.{l}.self_attn.kv_a_proj_with_mqa.bias",
+    "kv_a_norm": "model.layers.{l}.self_attn.kv_a_layernorm.weight",
+    "kv_b": "model.layers.{l}.self_attn.kv_b_proj.weight",
+}
+
 # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): a sigmoid-gated shared expert, the hybrids' names.
 _QWEN2_MOE = {**_LLAMA_LIKE, **{k: _HYBRID[k] for k in ("shared_gate", "shared_up", "shared_down",
                                                         "shared_expert_gate")}}
@@ -90,6 +104,7 @@ NAMES: dict[str, dict[str, str]] = {
     },
     "glm4_moe": _SIGMOID_MOE,
     "dots1": _SIGMOID_MOE,
+    "deepseek_v3": _DEEPSEEK_V3,
     "qwen3_next": _HYBRID,
     "gpt_oss": _GPT_OSS,
     "qwen3_5_moe_text": _HYBRID,

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.models import CPU_ONLY, family_of
+from engine.models import NO_ARENA, family_of
 from engine.names import expert_names
 from loader.arena import ARENA_NAME, ArenaError, ArenaFile, write_arena
 from loader.checkpoint import Checkpoint, CheckpointError
@@ -48,8 +48,8 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
     ck = Checkpoint(src)
     fam = family_of(ck.config)
     c = fam.config
-    if c.family in CPU_ONLY:
-        raise PackError(f"{ck.dir}: {c.family} cannot be packed: {CPU_ONLY[c.family]}; "
+    if c.family in NO_ARENA:
+        raise PackError(f"{ck.dir}: {c.family} cannot be packed: {NO_ARENA[c.family]}; "
                         "run the checkpoint folder as it is (--device cpu)")
     ck.require(fam.dense_spec)
     ck.require(fam.expert_spec)

@@ -328,6 +328,7 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.saved = PrefixStore(int(prefix_cache_gb * 1e9), self.model.rewinds)
         self._fed = None   # the ids self.state holds, in order (positions 0 .. len - 1)
+        self._prompt_len = 0   # of the generation that left _fed
         self._epoch = 0    # bumped by whatever takes the state over: a generator closed after
                            # that leaves _fed alone
         # cuda: decode tokens drawn on the device, only the id read back. "auto": greedy and
@@ -478,11 +479,13 @@ class Engine:
         self.state = st
         t0 = time.perf_counter()
         logits = self.model.forward(np.asarray(prompt_ids[keep:], dtype=np.int64), st)
-        if self.prefix_cache and not self.model.rewinds and self.saved.budget:
+        t1 = time.perf_counter()
+        self._prompt_len = len(prompt_ids)
+        if self.prefix_cache and not self.model.rewinds and \
+                0 < st.save_nbytes(st.pos) <= self.saved.budget:
             # a recurrent state cannot go back: keep it at the prompt's end, for a next turn
             # whose history differs from what this one generates
             self.saved.add(prompt_ids, self.model.save_state(st, st.pos))
-        t1 = time.perf_counter()
         stats.update(prefill_tokens=len(prompt_ids), prefill_cached_tokens=keep,
                      prefill_cached_from=src, prefill_s=t1 - t0,
                      prefill_tok_s=(len(prompt_ids) - keep) / max(t1 - t0, 1e-9), decode_tokens=0,
@@ -521,22 +524,37 @@ class Engine:
         """(run state for need positions, keep, where from): the state that holds the longest
         prefix of the prompt (keep ids of it, at most all but the last prompt id, whose logits
         are wanted): the live state of the last generation, or a saved copy restored into a
-        state; else a fresh one (keep 0). A live state whose ids the prompt leaves before their
-        end is saved first: the prefill overwrites them."""
+        state; else a fresh one (keep 0). The live state is saved first where the prompt would
+        lose ids a later prompt may still share (_save_live)."""
         if not self.prefix_cache:
             return self.model.new_state(need), 0, None
         n, fed, rewinds = len(prompt_ids) - 1, self._fed, self.model.rewinds
         live = usable(fed, prompt_ids, n, rewinds) if fed else 0
         copy, k = self.saved.best(prompt_ids, n)
-        if fed and live < len(fed) and self.saved.budget and not self.saved.covers(fed):
-            self.saved.add(fed, self.model.save_state(self.state, len(fed)))
-        if copy is not None and k > live:
-            self.saved.touch(copy)
+        use_copy = copy is not None and k > live
+        if use_copy:
+            self.saved.touch(copy)   # (most recent: the save below evicts others first)
+        if fed and (use_copy or live < len(fed)):
+            self._save_live(fed, live)
+        if use_copy:
             return self.model.restore_state(copy.arrays, need, k), k, "saved"
         st = self.model.resume_state(self.state, need, live) if live else None
         if st is not None:
             return st, live, "live"
         return self.model.new_state(need), 0, None
+
+    def _save_live(self, fed: list, live: int) -> None:
+        """Copy the live state (holding fed) to host RAM before a prompt overwrites it, unless
+        no later prompt is likely to want it: a KV cache kept up to `live` already holds what a
+        prompt shares with fed (so only when the prompt leaves fed inside its last prompt, not
+        in the ids generated after it, which a chat template may rewrite, e.g. Qwen3 dropping
+        the reasoning); a copy already covers it; or it exceeds the whole budget (not copied
+        only to be refused)."""
+        if self.model.rewinds and live >= self._prompt_len:
+            return
+        if self.saved.covers(fed) or self.state.save_nbytes(len(fed)) > self.saved.budget:
+            return
+        self.saved.add(fed, self.model.save_state(self.state, len(fed)))
 
     def _sampled_ids(self, logits, st, params: GenerationParams, rng, n: int) -> Iterator[int]:
         """n ids: the first from the prompt's last logits [V] on the host, then one forward pass
@@ -632,7 +650,7 @@ class Engine:
             windows = getattr(c, "layer_windows", ()) or (c.sliding_window,) * c.n_layers
             fixed = 0
         rows = sum(np.minimum(pos, w).mean() if w else pos.mean() for w in windows)
-        return float(2 * c.kv_dim * self.kv_itemsize * rows + fixed)
+        return float(c.kv_tensors * c.kv_dim * self.kv_itemsize * rows + fixed)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, on_text: Callable | None = None,

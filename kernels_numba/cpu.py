@@ -507,6 +507,11 @@ class CpuOps:
     def take_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x[rows])
 
+    def per_head_linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """x [T, H, A] f32, w [H, A, B] f32 -> [T, H, B]: each head's rows times its own matrix
+        (numpy's batched matmul, a BLAS call a head)."""
+        return np.ascontiguousarray(np.matmul(x.transpose(1, 0, 2), w).transpose(1, 0, 2))
+
     def scatter_add_rows(self, out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.ndarray):
         """out[rows[i]] += scale[i] * y[i]; rows are distinct (each token routes to an expert once)."""
         out[rows] += y * scale[:, None]

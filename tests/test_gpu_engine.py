@@ -169,16 +169,23 @@ def test_prefix_cache_resumes_the_last_state(tmp_path, resident):
         return out
     m.model.forward = recorded
 
-    rng = np.random.default_rng()
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"ids seed {seed}")
+    rng = np.random.default_rng(seed)
     p1 = rng.integers(0, 300, 12).tolist()
     out1 = m.generate(p1, max_new_tokens=6).output_ids
-    m.generate([(p1[0] + 1) % 300] + p1[1:5], max_new_tokens=3)   # the title request
+    title = [(p1[0] + 1) % 300] + p1[1:5]
+    out_t = m.generate(title, max_new_tokens=3).output_ids
     p2 = p1 + out1[:4] + [(out1[4] + 1) % 300] + rng.integers(0, 300, 4).tolist()
     r2 = m.generate(p2, max_new_tokens=8)
     assert (r2.stats["prefill_cached_tokens"], r2.stats["prefill_cached_from"]) == (16, "saved")
     p3 = p2[:7] + [(p2[7] + 1) % 300] + p2[8:12]
     r3 = m.generate(p3, max_new_tokens=6)
     assert (r3.stats["prefill_cached_tokens"], r3.stats["prefill_cached_from"]) == (7, "live")
+    # the title request's state, copied out just before turn 2's copy was put in its place
+    p4 = title + out_t[:2] + [1, 2]
+    r4 = m.generate(p4, max_new_tokens=4)
+    assert (r4.stats["prefill_cached_tokens"], r4.stats["prefill_cached_from"]) == (7, "saved")
 
     fm = fresh.model
     st = fm.new_state(64)
@@ -188,7 +195,13 @@ def test_prefix_cache_resumes_the_last_state(tmp_path, resident):
     want2 = fm.forward(np.array(p2[16:]), st)[-1]
     st.pos = 7
     want3 = fm.forward(np.array(p3[7:]), st)[-1]
-    for got, want in ((prefills[-2], want2), (prefills[-1], want3)):
+    st = fm.new_state(64)
+    fm.forward(np.array(title), st)
+    for t in out_t[:2]:
+        fm.forward(np.array([t]), st)
+    want4 = fm.forward(np.array(p4[7:]), st)[-1]
+    for got, want in ((prefills[-3], want2), (prefills[-2], want3), (prefills[-1], want4)):
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert r2.output_ids == fresh.generate(p2, max_new_tokens=8).output_ids
     assert r3.output_ids == fresh.generate(p3, max_new_tokens=6).output_ids
+    assert r4.output_ids == fresh.generate(p4, max_new_tokens=4).output_ids

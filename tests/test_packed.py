@@ -42,6 +42,7 @@ def dequantized_copy(src, packed, dst):
     ("mixtral", "nvfp4", {}),
     ("olmoe", "fp8", dict(num_experts_per_tok=4)),
     ("glm4_moe", "nvfp4", dict(n_group=2, topk_group=1)),
+    ("deepseek_v3", "fp8", {}),
 ])
 def test_quantized_arena_matches_transformers_on_dequantized_weights(tmp_path, family, fmt, over):
     src = tmp_path / "src"

@@ -26,6 +26,12 @@ HYBRID = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", v
               linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
               shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
               intermediate_size=64, eos_token_id=299)
+MLA = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=300,
+           hidden_size=48, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+           rms_norm_eps=1e-6, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+           qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, intermediate_size=64, first_k_dense_replace=1,
+           n_group=1, topk_group=1, eos_token_id=299)
 TIE = 1e-3
 
 
@@ -95,7 +101,7 @@ def models(tmp_path_factory):
     print(f"weights seed {seed}")
     d = tmp_path_factory.mktemp("prefix")
     return {name: build_random_model(d / name, cfg, seed=seed)
-            for name, cfg in (("moe", MOE), ("hybrid", HYBRID))}
+            for name, cfg in (("moe", MOE), ("hybrid", HYBRID), ("mla", MLA))}
 
 
 def other(t: int) -> int:
@@ -154,7 +160,7 @@ def test_a_request_between_turns_changes_nothing(models):
     rng = np.random.default_rng()
     p1 = rng.integers(0, 250, 14).tolist()
     title = [other(p1[0])] + rng.integers(0, 250, 9).tolist()
-    for name in ("moe", "hybrid"):
+    for name in ("moe", "hybrid", "mla"):   # a KV cache, a recurrent state, a latent cache
         runs = {}
         for between in (False, True):
             m = engine.load(models[name], device="cpu", prefix_cache=True)
@@ -162,18 +168,49 @@ def test_a_request_between_turns_changes_nothing(models):
             out1, _ = run(m, rec, p1, 5)
             if between:
                 run(m, rec, title, 3)
-            p2 = p1 + out1[:4] + rng.integers(0, 250, 3).tolist() if not runs else runs[False][2]
+            # the next turn leaves the 16 ids turn 1 fed at the fourth generated one
+            p2 = (p1 + out1[:3] + [other(out1[3])] + rng.integers(0, 250, 3).tolist()
+                  if not runs else runs[False][2])
             out2, s2 = run(m, rec, p2, 6)
             runs[between] = (out2, s2, p2, rec.logits[0])
         (a, sa, _, la), (b, sb, _, lb) = runs[False], runs[True]
-        assert sa["prefill_cached_tokens"] == sb["prefill_cached_tokens"] == len(p1) + 4, name
-        assert (sa["prefill_cached_from"], sb["prefill_cached_from"]) == ("live", "saved")
+        if name == "hybrid":   # the recurrent state: back to the copy at turn 1's prompt end
+            assert sa["prefill_cached_tokens"] == sb["prefill_cached_tokens"] == len(p1)
+            assert sa["prefill_cached_from"] == sb["prefill_cached_from"] == "saved"
+        else:                  # a cache: back to the 15 shared ids, of the live state or a copy
+            assert sa["prefill_cached_tokens"] == sb["prefill_cached_tokens"] == len(p1) + 3, name
+            assert (sa["prefill_cached_from"], sb["prefill_cached_from"]) == ("live", "saved")
         assert a == b and np.array_equal(la, lb), name
         m = engine.load(models[name], device="cpu", prefix_cache=True, prefix_cache_gb=0)
         out1 = m.generate(p1, max_new_tokens=5).output_ids
         m.generate(title, max_new_tokens=3)
         r = m.generate(p1 + out1[:4] + [1, 2], max_new_tokens=2)
         assert r.stats["prefill_cached_tokens"] == 0 and not m.saved.items
+
+
+def test_copies_within_a_small_budget(models):
+    """A budget that holds one copy: saving the live state evicts the copy the prompt resumes
+    from, which still serves it; a recurrent live state that a longer copy extends is saved
+    before that copy replaces it (a prompt extending the live ids finds them later)."""
+    m = engine.load(models["moe"], device="cpu", prefix_cache=True)
+    m.saved.budget = m.model.new_state(32).save_nbytes(20)
+    p1 = list(range(10, 22))
+    a = m.generate(p1, max_new_tokens=6).output_ids
+    m.generate([200, 201, 202, 203, 204], max_new_tokens=3)
+    r = m.generate(p1 + a[:5] + [5, 6], max_new_tokens=3)
+    assert (r.stats["prefill_cached_tokens"], r.stats["prefill_cached_from"]) == (17, "saved")
+    assert [len(s.ids) for s in m.saved.items] == [7]   # the title request's, which evicted it
+
+    h = engine.load(models["hybrid"], device="cpu", prefix_cache=True)
+    x = [10, 11, 12, 13, 14, 15]
+    o = h.generate(x, max_new_tokens=2).output_ids
+    p = x + [o[0], 20, 21, 22]
+    h.generate(p, max_new_tokens=3)
+    h.generate(x, max_new_tokens=2)   # live: x and o[0], which the copy at p's end extends
+    r = h.generate(p + [99], max_new_tokens=2)
+    assert (r.stats["prefill_cached_tokens"], r.stats["prefill_cached_from"]) == (len(p), "saved")
+    r = h.generate(x + [o[0], 98, 97], max_new_tokens=2)
+    assert (r.stats["prefill_cached_tokens"], r.stats["prefill_cached_from"]) == (7, "saved")
 
 
 def test_recurrent_state_kept_at_the_prompt_end(models):

@@ -63,6 +63,11 @@ class MoeConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def kv_tensors(self) -> int:
+        """Cache rows a token writes a layer, kv_dim values each: K and V (MLA: one latent row)."""
+        return 2
+
     @staticmethod
     def common_hf(cfg: dict) -> dict:
         """Fields every llama-like family reads the same way."""
@@ -160,6 +165,10 @@ class RunState:
         dst.k[:, :keep] = self.k[:, :keep]
         dst.v[:, :keep] = self.v[:, :keep]
         dst.pos = keep
+
+    def save_nbytes(self, keep: int) -> int:
+        """What save(keep) would copy, in bytes."""
+        return self.k[:, :keep].nbytes + self.v[:, :keep].nbytes
 
     def save(self, keep: int) -> dict:
         """A copy of what the first keep positions left, for load()."""

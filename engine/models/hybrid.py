@@ -179,6 +179,9 @@ class HybridState:
         dst.conv[...] = self.conv
         dst.ssm[...] = self.ssm
 
+    def save_nbytes(self, keep: int) -> int:
+        return RunState.save_nbytes(self, keep) + self.conv.nbytes + self.ssm.nbytes
+
     def save(self, keep: int) -> dict:
         """RunState.save and the recurrent state, which is at pos: keep must be pos."""
         return dict(RunState.save(self, keep), conv=self.conv.copy(), ssm=self.ssm.copy())

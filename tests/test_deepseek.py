@@ -1,0 +1,77 @@
+"""DeepSeek-V3 beyond parity (tests/test_parity.py, tests/test_packed.py): the cpu backend only,
+by name; config refusals; the latent cache's size; the softmax scale at the released shapes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import engine
+from conftest import build_hf_model
+from engine.models import family_of
+from engine.models.rope import ConfigError
+
+# DeepSeek-V3's config.json (the fields the engine reads)
+V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
+          hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+          num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+          n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+          q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+          topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
+          first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840,
+          rms_norm_eps=1e-6, rope_theta=10000, num_nextn_predict_layers=1,
+          rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                        "type": "yarn"}, tie_word_embeddings=False, eos_token_id=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("deepseek_v3")
+    build_hf_model(d, "deepseek_v3")
+    return d
+
+
+def test_released_shapes():
+    """One 576-value latent row a token a layer; the query's scale grows by YaRN's mscale
+    squared (0.1 ln 40 + 1), as the reference's; the MTP layer is skipped by name; the spec
+    names the low-rank projections."""
+    fam = family_of(V3)
+    c = fam.config
+    assert (c.n_kv_heads, c.head_dim, c.kv_tensors) == (1, 576, 1)
+    assert c.rope.rotary_dim == 64 and c.rope.kind == "yarn"
+    m = 0.1 * np.log(40) + 1
+    assert c.softmax_scale == pytest.approx(192 ** -0.5 * m * m)
+    assert c.moe_layers == tuple(range(3, 61)) and c.shared_intermediate == 2048
+    assert c.ignored_parts == (("model.layers.61.", "the multi-token-prediction (MTP) layer"),)
+    spec = fam.dense_spec
+    assert spec["model.layers.0.self_attn.q_b_proj.weight"] == (128 * 192, 1536)
+    assert spec["model.layers.0.self_attn.kv_b_proj.weight"] == (128 * 256, 512)
+    assert spec["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (576, 7168)
+    assert "model.layers.0.self_attn.k_proj.weight" not in spec
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("qk_rope_head_dim", 63, "qk_rope_head_dim=63 (even)"),
+    ("kv_lora_rank", None, "missing field kv_lora_rank"),
+    ("n_group", 3, "n_group=3 must divide n_routed_experts=256"),
+])
+def test_config_refused(field, value, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        family_of({**V3, field: value})
+
+
+def test_cuda_refused_auto_picks_cpu_state_bytes(tiny, capfd):
+    with pytest.raises(RuntimeError, match="--device cuda: the cuda backend does not run "
+                                           "deepseek_v3: its multi-head latent attention"):
+        engine.load(tiny, device="cuda")
+    m = engine.load(tiny, device="auto")
+    assert m.device == "cpu"
+    assert "device auto: using cpu (the cuda backend does not run deepseek_v3" in capfd.readouterr().err
+    cfg = json.loads((tiny / "config.json").read_text())
+    row = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    # the mean over positions 1..4 of every layer's rows, 4 bytes a value, one row (not K and V)
+    assert m.state_bytes_per_token(0, 4) == 3 * row * 4 * 2.5
+    st = m.model.new_state(8)
+    assert st.v is st.k and st.k.shape == (3, 8, 1, row)
