@@ -105,6 +105,7 @@ NAMES: dict[str, dict[str, str]] = {
     "glm4_moe": _SIGMOID_MOE,
     "dots1": _SIGMOID_MOE,
     "deepseek_v3": _DEEPSEEK_V3,
+    "deepseek_v2": _DEEPSEEK_V3,
     "qwen3_next": _HYBRID,
     "gpt_oss": _GPT_OSS,
     "qwen3_5_moe_text": _HYBRID,

@@ -1,5 +1,6 @@
-"""DeepSeek-V3 beyond parity (tests/test_parity.py, tests/test_packed.py): the cpu backend only,
-by name; config refusals; the latent cache's size; the softmax scale at the released shapes."""
+"""DeepSeek-V3 and -V2 beyond parity (tests/test_parity.py, tests/test_packed.py): the cpu backend
+only, by name; config refusals; the latent cache's size; the softmax scale at the released
+shapes."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,33 @@ V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", voc
           rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
                         "type": "yarn"}, tie_word_embeddings=False, eos_token_id=1)
+
+
+# DeepSeek-V2-Lite's
+V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,
+               hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+               num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+               n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512,
+               q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+               topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=6,
+               first_k_dense_replace=1, norm_topk_prob=False, max_position_embeddings=163840,
+               rms_norm_eps=1e-6, rope_theta=10000, scoring_func="softmax",
+               rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                             "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                             "type": "yarn"}, tie_word_embeddings=False, eos_token_id=100001)
+
+
+def test_v2_lite_shapes():
+    fam = family_of(V2_LITE)
+    c = fam.config
+    assert (c.routing, c.n_group, c.norm_topk_prob, c.routed_scale) == ("softmax", 1, False, 1.0)
+    assert c.moe_layers == tuple(range(1, 27)) and c.shared_intermediate == 2 * 1408
+    m = 0.1 * 0.707 * np.log(40) + 1
+    assert c.softmax_scale == pytest.approx(192 ** -0.5 * m * m)
+    assert fam.dense_spec["model.layers.0.self_attn.q_proj.weight"] == (16 * 192, 2048)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" not in fam.dense_spec
+    with pytest.raises(ConfigError, match="topk_method 'noaux_tc' is not supported"):
+        family_of({**V2_LITE, "topk_method": "noaux_tc"})
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import (deepseek_v3, dots1, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe,
+from engine.models import (deepseek_v2, deepseek_v3, dots1, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe,
                            qwen3_moe, qwen3_next)
 from engine.models.rope import ConfigError
 
@@ -20,6 +20,7 @@ FAMILIES = {
     "glm4_moe": glm4_moe,
     "dots1": dots1,
     "deepseek_v3": deepseek_v3,
+    "deepseek_v2": deepseek_v2,
     "qwen3_next": qwen3_next,
     "qwen3_5_moe": qwen3_5_moe,          # the image-text wrapper: its language model
     "qwen3_5_moe_text": qwen3_5_moe,     # a text-only Qwen3.5-MoE folder
@@ -32,6 +33,7 @@ CPU_ONLY = {
                "kernels yet",
     "deepseek_v3": "its multi-head latent attention (a 576-value latent cache row, a query taken "
                    "through kv_b_proj) is not in the CUDA kernels yet",
+    "deepseek_v2": "its multi-head latent attention (deepseek_v3's) is not in the CUDA kernels yet",
 }
 
 
