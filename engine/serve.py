@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from engine.runtime import GenerationParams
 from engine.tokenizer import StreamDecoder, TemplateError
+from engine.toolcalls import ToolCallParser, split_reply, template_writes_calls
 
 RETRY_AFTER_S = 1                   # the Retry-After of a 503 (queue full)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -124,6 +125,7 @@ class GenRequest:
     stop: tuple                 # stop strings, matched on the decoded text
     stream: bool
     include_usage: bool
+    tool_calls: bool = False    # turn <tool_call> blocks into message.tool_calls (engine/toolcalls.py)
 
 
 def _check_unsupported(body: dict):
@@ -253,7 +255,8 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
                        else str(e), param="messages")
     ids = tokenizer.encode(text, add_special_tokens=False)   # the template writes its own BOS
     params = _sampling(body, model, len(ids), None)
-    return GenRequest("chat", ids, params, stop, stream, include_usage)
+    calls = bool(tools) and template_writes_calls(tokenizer.chat_template.source)
+    return GenRequest("chat", ids, params, stop, stream, include_usage, calls)
 
 
 def parse_completion(body: dict, model: ServedModel, tokenizer) -> GenRequest:
@@ -580,9 +583,14 @@ class Server:
 
     def whole(self, job: Job, text: str, finish: str) -> dict:
         rid, chat = uuid.uuid4().hex, job.req.kind == "chat"
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": finish} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        message = {"role": "assistant", "content": text}
+        if job.req.tool_calls:
+            content, calls = split_reply(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+                  if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
         return {"id": ("chatcmpl-" if chat else "cmpl-") + rid,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model.name, "system_fingerprint": None,
@@ -600,14 +608,30 @@ class Server:
             extra = {"usage": None} if req.include_usage else {}
             return _sse({**base, "choices": [choice], **extra})
 
+        parser = ToolCallParser() if req.tool_calls else None
+
+        def pieces(events):   # parser events -> chunks; tool calls numbered in order
+            for k, v in events:
+                if k == "text":
+                    yield chunk({"content": v})
+                else:
+                    yield chunk({"tool_calls": [{"index": parser.calls - 1, **v}]})
+
         try:
             while True:
                 kind, value = await job.events.get()
                 if kind == "start" and chat:
                     yield chunk({"role": "assistant", "content": ""})
+                elif kind == "text" and parser is not None:
+                    for c in pieces(parser.push(value)):
+                        yield c
                 elif kind == "text":
                     yield chunk({"content": value} if chat else value)
                 elif kind == "end":
+                    if parser is not None:
+                        for c in pieces(parser.flush()):
+                            yield c
+                        value = "tool_calls" if parser.calls and value == "stop" else value
                     yield chunk({} if chat else "", finish=value)
                     if req.include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(job)})

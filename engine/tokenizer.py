@@ -34,7 +34,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.template = env.from_string(source)
-        self.special = special
+        self.source, self.special = source, special
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list | None = None, **kwargs) -> str:

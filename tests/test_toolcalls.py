@@ -1,0 +1,144 @@
+"""Tool calls: <tool_call> blocks in a reply -> the OpenAI API's message.tool_calls.
+
+The parser on text cut at every place, and the server end to end (openai client, whole and
+streamed) on an engine whose replies are scripted: a random model does not write tool calls,
+and what is under test is the server's reading of them."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import engine
+from engine.runtime import Engine, GenerationParams
+from engine.serve import create_app
+from engine.toolcalls import ToolCallParser, split_reply
+from test_serve import CONFIG, HELLO, NAME, ServerThread, build_random_qwen3_moe
+
+CALL = {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "C"}}
+REPLY = (f"Let me look.\n<tool_call>\n{json.dumps(CALL, ensure_ascii=False)}\n</tool_call>\n"
+         f'<tool_call>\n{{"name": "get_time", "arguments": {{}}}}\n</tool_call>')
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+         for n in ("get_weather", "get_time")]
+# Qwen's template: the tools in a system block that asks for <tool_call> tags
+TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+            "Call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+            "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+            "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+            "{% endfor %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def events_of(text: str, cuts) -> list:
+    p = ToolCallParser()
+    out, last = [], 0
+    for c in list(cuts) + [len(text)]:
+        out += p.push(text[last:c])
+        last = c
+    out += p.flush()
+    merged = []   # adjacent text events joined: where the pieces were cut must not matter
+    for k, v in out:
+        if merged and k == "text" and merged[-1][0] == "text":
+            merged[-1] = ("text", merged[-1][1] + v)
+        else:
+            merged.append((k, v))
+    return merged
+
+
+def test_parser_any_cut():
+    whole = events_of(REPLY, [])
+    assert [k for k, _ in whole] == ["text", "call", "text", "call"]
+    assert whole[0][1] == "Let me look.\n" and whole[2][1] == "\n"
+    assert json.loads(whole[1][1]["function"]["arguments"]) == CALL["arguments"]
+    assert whole[1][1]["function"]["name"] == "get_weather" and whole[1][1]["type"] == "function"
+    assert whole[3][1]["function"] == {"name": "get_time", "arguments": "{}"}
+    strip = [(k, v if k == "text" else v["function"]) for k, v in whole]
+    for cut in range(1, len(REPLY)):
+        for second in (cut + 1, cut + 7):
+            got = events_of(REPLY, [cut, min(second, len(REPLY))])
+            assert [(k, v if k == "text" else v["function"]) for k, v in got] == strip, cut
+
+
+@pytest.mark.parametrize("text", [
+    "no calls at all, a < sign and <tool",                 # a held tail that never becomes a tag
+    "<tool_call>{not json}</tool_call> after",             # a block that does not parse
+    '<tool_call>{"arguments": {}}</tool_call>',            # no name
+    'before <tool_call>{"name": "x", "arguments": {}',     # left open at the end
+])
+def test_what_is_not_a_call_stays_text(text):
+    assert events_of(text, [len(text) // 2]) == [("text", text)]
+    assert split_reply(text) == (text, [])
+
+
+def test_split_reply():
+    content, calls = split_reply(REPLY)
+    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert len({c["id"] for c in calls}) == 2
+    assert split_reply('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[0] is None
+
+
+class ScriptedEngine(Engine):
+    """The engine, its replies replaced by the ids of `reply` (then the stop the real EOS gives)."""
+    reply = REPLY
+
+    def stream(self, prompt_ids, params, stats=None):
+        ids = self.tokenizer.encode(self.reply)
+        n = min(len(ids), params.max_new_tokens)
+        real = GenerationParams(n, params.temperature, params.top_k, params.top_p, params.seed, ())
+        for tid, _ in zip(ids[:n], super().stream(prompt_ids, real, stats)):
+            yield tid
+        if stats is not None and n == len(ids):
+            stats["finish_reason"] = "stop"
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    d = build_random_qwen3_moe(tmp_path_factory.mktemp("tools") / "m",
+                               dict(CONFIG, max_position_embeddings=2048))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    s = ServerThread(create_app(ScriptedEngine(d, device="cpu"), NAME))
+    yield s
+    s.stop()
+
+
+def test_server_returns_tool_calls(srv):
+    c = srv.client()
+    r = c.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, max_tokens=400)
+    m = r.choices[0]
+    assert m.finish_reason == "tool_calls" and m.message.content == "Let me look."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.message.tool_calls] == \
+        [("get_weather", CALL["arguments"]), ("get_time", {})]
+    # streamed: the same calls, as deltas with their index, and the same content
+    text, calls, finish = "", {}, None
+    for ch in c.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, max_tokens=400,
+                                        stream=True):
+        d = ch.choices[0].delta
+        text += d.content or ""
+        for t in d.tool_calls or []:
+            calls[t.index] = (t.id, t.function.name, json.loads(t.function.arguments))
+        finish = ch.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and text.strip() == "Let me look."
+    assert [v[1:] for _, v in sorted(calls.items())] == [("get_weather", CALL["arguments"]),
+                                                         ("get_time", {})]
+    assert all(v[0].startswith("call_") for v in calls.values())
+    # the next turn: the assistant's calls and the tool's answer go back through the template
+    turn = HELLO + [m.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": m.message.tool_calls[0].id, "content": "21 C"}]
+    r2 = c.chat.completions.create(model=NAME, messages=turn, tools=TOOLS, max_tokens=400)
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_without_tools_or_cut_short_the_text_is_content(srv):
+    c = srv.client()
+    r = c.chat.completions.create(model=NAME, messages=HELLO, max_tokens=400)   # no tools
+    assert r.choices[0].message.content == REPLY and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    n = len(REPLY.encode()) - 5   # the second block left open: the first is a call, the rest text
+    r = c.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, max_tokens=n)
+    m = r.choices[0]
+    assert m.finish_reason == "length" and [t.function.name for t in m.message.tool_calls] == ["get_weather"]
+    assert m.message.content.startswith("Let me look.") and "<tool_call>" in m.message.content
+    assert np.all([t.id.startswith("call_") for t in m.message.tool_calls])
