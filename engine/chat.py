@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from engine.cli import add_load_args, add_prefix_args, check_prefix_args, load_from_args
+from engine.harmony import HarmonyParser, uses_harmony
 from loader.checkpoint import CheckpointError
 
 
@@ -73,18 +74,34 @@ class Chat:
             print(f"(the conversation outgrew the {self.m.max_context}-token context: the "
                   f"{dropped} oldest exchange(s) left it)", file=sys.stderr)
         stats: dict = {}
-        dec, reply = StreamDecoder(self.m.tokenizer), []
+        # gpt-oss (harmony): its reasoning to stderr, its answer to out and into the history
+        parser = HarmonyParser() if uses_harmony(self.m.tokenizer) else None
+        dec, reply, answer = StreamDecoder(self.m.tokenizer, parser is None), [], []
+
+        def show(piece: str) -> None:
+            for kind, text in parser.push(piece) if parser else [("text", piece)]:
+                if kind == "text":
+                    answer.append(text)
+                    out.write(text)
+                elif kind == "reasoning":
+                    sys.stderr.write(text)
+            out.flush()
+
         stop = set(self.m.eos_ids)
         for tid in self.m.stream(ids, self.params, stats):
             if tid in stop:
                 break
             reply.append(tid)
-            out.write(dec.push(tid))
-            out.flush()
-        out.write(dec.flush() + "\n")
+            show(dec.push(tid))
+        show(dec.flush())
+        for kind, text in parser.flush() if parser else []:
+            if kind == "text":
+                answer.append(text)
+                out.write(text)
+        out.write("\n")
         out.flush()
-        self.turns += [{"role": "user", "content": user},
-                       {"role": "assistant", "content": self.m.tokenizer.decode(reply)}]
+        content = "".join(answer) if parser else self.m.tokenizer.decode(reply)
+        self.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": content}]
         return stats
 
     def reset(self) -> None:

@@ -32,7 +32,8 @@ from starlette.routing import Route
 
 from engine.runtime import GenerationParams
 from engine.tokenizer import StreamDecoder, TemplateError
-from engine.toolcalls import ToolCallParser, split_reply, template_writes_calls
+from engine.harmony import uses_harmony
+from engine.toolcalls import reply_parser, split_reply, template_writes_calls
 
 RETRY_AFTER_S = 1                   # the Retry-After of a 503 (queue full)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -125,7 +126,8 @@ class GenRequest:
     stop: tuple                 # stop strings, matched on the decoded text
     stream: bool
     include_usage: bool
-    tool_calls: bool = False    # turn <tool_call> blocks into message.tool_calls (engine/toolcalls.py)
+    reply: str = "text"         # chat replies: "text" as it is, "tool_calls" (<tool_call> blocks ->
+                                # message.tool_calls) or "harmony" (gpt-oss's channels), engine/toolcalls.py
 
 
 def _check_unsupported(body: dict):
@@ -255,8 +257,9 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
                        else str(e), param="messages")
     ids = tokenizer.encode(text, add_special_tokens=False)   # the template writes its own BOS
     params = _sampling(body, model, len(ids), None)
-    calls = bool(tools) and template_writes_calls(tokenizer.chat_template.source)
-    return GenRequest("chat", ids, params, stop, stream, include_usage, calls)
+    reply = ("harmony" if uses_harmony(tokenizer) else
+             "tool_calls" if tools and template_writes_calls(tokenizer.chat_template.source) else "text")
+    return GenRequest("chat", ids, params, stop, stream, include_usage, reply)
 
 
 def parse_completion(body: dict, model: ServedModel, tokenizer) -> GenRequest:
@@ -441,7 +444,8 @@ class Worker:
                 self.metrics.requests_cancelled_total += 1
             return
         stats: dict = {}
-        dec, stop = StreamDecoder(eng.tokenizer), StopMatcher(req.stop)
+        # harmony's channel markers are special tokens: kept for the reply's parser
+        dec, stop = StreamDecoder(eng.tokenizer, req.reply != "harmony"), StopMatcher(req.stop)
         outcome = "cancelled"               # unless the loop ends by itself: "stop" or "length"
         t0 = time.perf_counter()
         job.emit("start")
@@ -584,10 +588,13 @@ class Server:
     def whole(self, job: Job, text: str, finish: str) -> dict:
         rid, chat = uuid.uuid4().hex, job.req.kind == "chat"
         message = {"role": "assistant", "content": text}
-        if job.req.tool_calls:
-            content, calls = split_reply(text)
+        if chat and job.req.reply != "text":
+            content, reasoning, calls = split_reply(text, job.req.reply)
+            message = {"role": "assistant", "content": content}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                message["tool_calls"] = calls
                 finish = "tool_calls" if finish == "stop" else finish
         choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
                   if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
@@ -608,14 +615,17 @@ class Server:
             extra = {"usage": None} if req.include_usage else {}
             return _sse({**base, "choices": [choice], **extra})
 
-        parser = ToolCallParser() if req.tool_calls else None
+        parser = reply_parser(req.reply) if chat and req.reply != "text" else None
+        calls = 0
 
         def pieces(events):   # parser events -> chunks; tool calls numbered in order
+            nonlocal calls
             for k, v in events:
-                if k == "text":
-                    yield chunk({"content": v})
+                if k == "call":
+                    calls += 1
+                    yield chunk({"tool_calls": [{"index": calls - 1, **v}]})
                 else:
-                    yield chunk({"tool_calls": [{"index": parser.calls - 1, **v}]})
+                    yield chunk({"content" if k == "text" else "reasoning_content": v})
 
         try:
             while True:
@@ -631,7 +641,7 @@ class Server:
                     if parser is not None:
                         for c in pieces(parser.flush()):
                             yield c
-                        value = "tool_calls" if parser.calls and value == "stop" else value
+                        value = "tool_calls" if calls and value == "stop" else value
                     yield chunk({} if chat else "", finish=value)
                     if req.include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(job)})

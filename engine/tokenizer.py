@@ -92,24 +92,24 @@ class StreamDecoder:
     quadratic): the text of ids[prefix:] minus the text of ids[prefix:read], the ids already
     shown, so a tokenizer that drops a leading space at the window's start drops it from both."""
 
-    def __init__(self, tok: Tokenizer):
-        self.tok = tok
+    def __init__(self, tok: Tokenizer, skip_special: bool = True):
+        self.tok, self.skip = tok, skip_special
         self.ids: list[int] = []
         self.prefix = 0   # window start: the last piece's first id
         self.read = 0     # ids before this are shown
 
     def push(self, tid: int) -> str:
         self.ids.append(tid)
-        shown = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
+        shown = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        text = self.tok.decode(self.ids[self.prefix:], self.skip)
         if len(text) <= len(shown) or text.endswith("\ufffd"):
             return ""   # nothing new, or a character still incomplete
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(shown):]
 
     def flush(self) -> str:
-        shown = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
+        shown = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        text = self.tok.decode(self.ids[self.prefix:], self.skip)
         self.prefix = self.read = len(self.ids)
         return text[len(shown):]
 

@@ -82,13 +82,23 @@ class ToolCallParser:
         return [("text", text)] if text else []
 
 
-def split_reply(text: str) -> tuple[str | None, list[dict]]:
-    """A whole reply -> (content, tool calls): content None when the reply is calls and
-    whitespace only."""
-    p = ToolCallParser()
+def reply_parser(kind: str):
+    """The parser of a reply format: "tool_calls" (the blocks above) or "harmony" (gpt-oss's
+    channels, engine/harmony.py). Both turn text pieces into ("text" | "reasoning" | "call")
+    events."""
+    if kind == "harmony":
+        from engine.harmony import HarmonyParser
+        return HarmonyParser()
+    return ToolCallParser()
+
+
+def split_reply(text: str, kind: str = "tool_calls") -> tuple[str | None, str, list[dict]]:
+    """A whole reply -> (content, reasoning, tool calls): content None when the reply is calls
+    and whitespace only."""
+    p = reply_parser(kind)
     events = p.push(text) + p.flush()
     calls = [v for k, v in events if k == "call"]
     content = "".join(v for k, v in events if k == "text")
     if calls:
         content = content.strip() or None
-    return content, calls
+    return content, "".join(v for k, v in events if k == "reasoning"), calls

@@ -68,11 +68,11 @@ def test_parser_any_cut():
 ])
 def test_what_is_not_a_call_stays_text(text):
     assert events_of(text, [len(text) // 2]) == [("text", text)]
-    assert split_reply(text) == (text, [])
+    assert split_reply(text) == (text, "", [])
 
 
 def test_split_reply():
-    content, calls = split_reply(REPLY)
+    content, _, calls = split_reply(REPLY)
     assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert len({c["id"] for c in calls}) == 2
     assert split_reply('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[0] is None

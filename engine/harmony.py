@@ -1,0 +1,108 @@
+"""gpt-oss replies in the harmony format -> reasoning, content and tool calls (engine.serve).
+
+gpt-oss writes its reply as messages on channels, each
+    <|channel|>NAME[ to=functions.TOOL][ <|constrain|>json]<|message|>TEXT<|end|> (or <|return|>,
+    <|call|>), the next one after <|start|>assistant.
+The analysis channel is its reasoning (message.reasoning_content), final and commentary are
+what it says (content), and a commentary message addressed to=functions.TOOL that ends with
+<|call|> is a call of that tool with TEXT as its JSON arguments. The markers are special tokens:
+the reply is decoded with them kept. Text before any marker is content.
+"""
+from __future__ import annotations
+
+import re
+import uuid
+
+MARKS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+         "<|constrain|>")
+ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_TO = re.compile(r"to=functions\.([\w.\-]+)")
+
+
+def uses_harmony(tokenizer) -> bool:
+    """A tokenizer with the harmony markers as tokens (gpt-oss's)."""
+    return all(tokenizer.token_to_id(m) is not None for m in ("<|channel|>", "<|message|>", "<|end|>"))
+
+
+class HarmonyParser:
+    """Reply text in pieces -> events in order: ("reasoning", str), ("text", str) and ("call",
+    tool call dict)."""
+
+    def __init__(self):
+        self.buf = ""
+        self.state = "body"     # body (a message's text) | header (after <|channel|>) | between
+        self.kind = "text"      # what the current body is: reasoning, text, or a call's arguments
+        self.header = ""
+        self.tool = None        # the function a commentary message is addressed to
+        self.args = ""
+        self.calls = 0
+
+    def push(self, piece: str) -> list[tuple[str, object]]:
+        self.buf += piece
+        out: list[tuple[str, object]] = []
+        while True:
+            i = self.buf.find("<|")
+            if i < 0:   # a last "<" may begin a marker: held for the next piece
+                cut = len(self.buf) - self.buf.endswith("<")
+                self._text(self.buf[:cut], out)
+                self.buf = self.buf[cut:]
+                return out
+            mark = next((m for m in MARKS if self.buf.startswith(m, i)), None)
+            if mark is None:
+                if any(m.startswith(self.buf[i:]) for m in MARKS):   # a marker still arriving
+                    self._text(self.buf[:i], out)
+                    self.buf = self.buf[i:]
+                    return out
+                self._text(self.buf[:i + 2], out)   # "<|" that begins no marker: text
+                self.buf = self.buf[i + 2:]
+                continue
+            self._text(self.buf[:i], out)
+            self.buf = self.buf[i + len(mark):]
+            self._mark(mark, out)
+
+    def flush(self) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        self._text(self.buf, out)
+        self.buf = ""
+        if self.kind == "args" and self.args:   # a call the reply did not finish: its text
+            out.append(("text", self.args))
+            self.args = ""
+        return out
+
+    def _text(self, text: str, out: list) -> None:
+        if not text:
+            return
+        if self.state == "header":
+            self.header += text
+        elif self.state == "body":
+            if self.kind == "args":
+                self.args += text
+            elif out and out[-1][0] == self.kind:
+                out[-1] = (self.kind, out[-1][1] + text)
+            else:
+                out.append((self.kind, text))
+        # between messages (after <|start|>: the role's name): dropped
+
+    def _mark(self, mark: str, out: list) -> None:
+        if mark == "<|channel|>":
+            self.state, self.header = "header", ""
+        elif mark == "<|message|>":
+            channel = self.header.split(maxsplit=1)[0] if self.header.split() else ""
+            to = _TO.search(self.header)
+            self.tool = to.group(1) if to else None
+            self.kind = ("args" if self.tool else "reasoning" if channel == "analysis" else "text")
+            self.state, self.args = "body", ""
+        elif mark == "<|constrain|>":
+            if self.state == "header":
+                self.header += " "
+        elif mark in ENDS or mark == "<|start|>":
+            if self.kind == "args" and self.state == "body":
+                if mark == "<|call|>":
+                    self.calls += 1
+                    out.append(("call", {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                                         "function": {"name": self.tool,
+                                                      "arguments": self.args.strip()}}))
+                elif self.args:
+                    out.append(("text", self.args))
+                self.args = ""
+            self.state, self.kind, self.tool = "between", "text", None
