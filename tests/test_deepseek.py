@@ -84,6 +84,7 @@ def test_released_shapes():
     ("qk_rope_head_dim", 63, "qk_rope_head_dim=63 (even)"),
     ("kv_lora_rank", None, "missing field kv_lora_rank"),
     ("n_group", 3, "n_group=3 must divide n_routed_experts=256"),
+    ("scoring_func", "softmax", "scoring_func 'softmax' is not supported for deepseek_v3"),
 ])
 def test_config_refused(field, value, says):
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):

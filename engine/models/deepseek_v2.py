@@ -20,7 +20,9 @@ class DeepseekV2Config(DeepseekV3Config):
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekV2Config":
         cfg = dict(cfg)
-        method = cfg.get("topk_method") or "greedy"
+        method = cfg.pop("topk_method", None) or "greedy"
+        if cfg.pop("scoring_func", None) not in (None, "softmax"):
+            raise ConfigError("config.json: scoring_func must be 'softmax' for deepseek_v2")
         if method not in METHODS:
             raise ConfigError(f"config.json: topk_method {method!r} is not supported; "
                               f"supported: {', '.join(METHODS)}")

@@ -8,8 +8,9 @@ not 2 x 128 heads x 192). Each head's query is taken into the latent space throu
 of kv_b_proj (q_abs = W_uk^T q_nope), so attention is multi-query attention with D = C + R over
 the rows [c, k_pe], whose first C output values, taken out through the value half of kv_b_proj
 (W_uv), are the head's output. The same sums as the reference's expanded keys and values, in
-another order. Rotary dims come interleaved in pairs (rope_interleave): the q and kv_a rows are
-permuted once at load so a rotate-half rope gives the same dot products.
+another order. Rotary dims come interleaved in pairs (rope_interleave): q_pe and k_pe are
+gathered into halves (evens, odds) after their projections, so a rotate-half rope gives the same
+dot products.
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class DeepseekV3Config(MoeConfig):
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekV3Config":
         cfg = with_experts(cfg)
+        for key, ok in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if cfg.get(key) not in (None, ok):
+                raise ConfigError(f"config.json: {key} {cfg[key]!r} is not supported for "
+                                  f"{cfg['model_type']}; expected {ok!r}")
         c_dim = int(need(cfg, "kv_lora_rank"))
         nope, rope = int(need(cfg, "qk_nope_head_dim")), int(need(cfg, "qk_rope_head_dim"))
         v_dim = int(need(cfg, "v_head_dim"))
@@ -123,18 +128,10 @@ class DeepseekV3Decoder(MoeDecoder):
         heads, nope, rope, cd = c.n_heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
         f32 = ops.deltanet.f32
         # interleaved rotary pairs (x0, x1), (x2, x3)... -> halves (x0, x2, ...), (x1, x3, ...)
-        half = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
-        q_rows = np.arange(heads * (nope + rope)).reshape(heads, nope + rope)
-        q_rows[:, nope:] = q_rows[:, nope:][:, half]
-        kv_rows = np.concatenate([np.arange(cd), cd + half])
+        self.rot = (np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+                    if c.rope_interleave else np.arange(rope))
         derived = {}
         for l in range(c.n_layers):
-            if c.rope_interleave:
-                qk = "q_b" if c.q_lora_rank else "q"
-                derived[qk, l] = ops.weight(np.asarray(weights(qk, l))[q_rows.reshape(-1)])
-                derived["kv_a", l] = ops.weight(np.asarray(weights("kv_a", l))[kv_rows])
-                if c.attention_bias:
-                    derived["kv_a_bias", l] = f32(weights("kv_a_bias", l))[kv_rows]
             kv_b = f32(weights("kv_b", l)).reshape(heads, nope + c.v_head_dim, cd)
             derived["w_uk", l] = np.ascontiguousarray(kv_b[:, :nope, :])                 # [Hq, nope, C]
             derived["w_uv_t", l] = np.ascontiguousarray(kv_b[:, nope:, :].transpose(0, 2, 1))  # [Hq, C, V]
@@ -163,8 +160,8 @@ class DeepseekV3Decoder(MoeDecoder):
         kv = ops.linear(h, w("kv_a", l))                                  # [T, C + R]
         if c.attention_bias:
             ops.add_(kv, w("kv_a_bias", l))
-        q_pe = np.ascontiguousarray(q[:, :, nope:])
-        k_pe = np.ascontiguousarray(kv[:, None, cd:])
+        q_pe = np.ascontiguousarray(q[:, :, nope + self.rot])
+        k_pe = np.ascontiguousarray(kv[:, None, cd + self.rot])
         ops.rope(q_pe, pos, self.inv_freq, c.rope.attention_factor)
         ops.rope(k_pe, pos, self.inv_freq, c.rope.attention_factor)
         row = np.concatenate([ops.rmsnorm(kv[:, :cd], w("kv_a_norm", l), c.rms_eps)[:, None],
