@@ -282,81 +282,106 @@ def router_sigmoid_topk(logits, bias, k, n_group, topk_group, norm, scale, ids, 
 # ---- expert kernels (quantized blocks) -------------------------------------------------------
 
 @njit(inline="always")
-def _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, e2m1, e4m3):
-    """dot(row r of an NVFP4 matrix, x[:k]); row stride kp/2 bytes, kp/16 scales."""
-    qrow = q_off + r * (kp // 2)
-    srow = s_off + r * (kp // 16)
-    acc = np.float32(0.0)
-    if k == kp:   # no padded columns: no bounds test a value (1.3x on the CPU machine)
+def _e4m3(b):
+    """An E4M3 byte as float32 from its bits (no table gather, so a row's loop vectorizes):
+    exponent field E > 0: 2^(E - 7) (1 + M / 8) is f32 exponent E + 120 over the same 3 mantissa
+    bits; E = 0: M 2^-9; S.1111.111: NaN."""
+    u = np.uint32(b)
+    em = u & np.uint32(0x7F)
+    if em >= 8:
+        f = np.uint32((em << np.uint32(20)) + np.uint32(120 << 23)).view(np.float32)
+    else:
+        f = np.float32(em) * np.float32(2.0 ** -9)
+    if em == 0x7F:
+        f = np.float32(np.nan)
+    return -f if u & np.uint32(0x80) else f
+
+
+@njit(inline="always")
+def _e2m1(c):
+    """An E2M1 code (4 bits) as float32 from its bits: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    m = np.uint32(c) & np.uint32(7)
+    if m >= 2:
+        f = np.uint32((m << np.uint32(22)) + np.uint32(126 << 23)).view(np.float32)
+    else:
+        f = np.float32(m) * np.float32(0.5)
+    return -f if np.uint32(c) & np.uint32(8) else f
+
+
+@njit(inline="always")
+def _decode_row(fmt, block, q_off, s_off, gscale, r, k, kp, buf):
+    """Row r of one of a block's matrices -> buf[:k] float32, its scales applied.
+    fmt 2 NVFP4 (row stride kp/2 bytes, a scale each 16 values), 1 FP8 (a float32 scale a row),
+    0 bf16. A row is decoded once for all the tokens that use it."""
+    if fmt == 2:
+        qrow = q_off + r * (kp // 2)
+        srow = s_off + r * (kp // 16)
+        if k == kp:   # no padded columns: no bounds test a value
+            for g in range(kp // 16):
+                sc = _e4m3(block[srow + g]) * gscale
+                for b in range(8):
+                    byte = block[qrow + g * 8 + b]
+                    buf[g * 16 + 2 * b] = _e2m1(byte & 0xF) * sc
+                    buf[g * 16 + 2 * b + 1] = _e2m1(byte >> 4) * sc
+            return
         for g in range(kp // 16):
-            part = np.float32(0.0)
+            sc = _e4m3(block[srow + g]) * gscale
             for b in range(8):
-                byte = block[qrow + g * 8 + b]
-                part += e2m1[byte & 0xF] * x[g * 16 + 2 * b] + e2m1[byte >> 4] * x[g * 16 + 2 * b + 1]
-            acc += part * e4m3[block[srow + g]]
-        return acc * gscale
-    for g in range(kp // 16):
-        sc = e4m3[block[srow + g]]
-        part = np.float32(0.0)
-        base = g * 16
-        for b in range(8):
-            j = base + 2 * b
-            byte = block[qrow + j // 2]
-            if j < k:
-                part += e2m1[byte & 0xF] * x[j]
-            if j + 1 < k:
-                part += e2m1[byte >> 4] * x[j + 1]
-        acc += part * sc
-    return acc * gscale
+                j = g * 16 + 2 * b
+                byte = block[qrow + j // 2]
+                if j < k:
+                    buf[j] = _e2m1(byte & 0xF) * sc
+                if j + 1 < k:
+                    buf[j + 1] = _e2m1(byte >> 4) * sc
+    elif fmt == 1:
+        qrow = q_off + r * k
+        sc = block[s_off + 4 * r:s_off + 4 * r + 4].view(np.float32)[0]
+        for j in range(k):
+            buf[j] = _e4m3(block[qrow + j]) * sc
+    else:
+        # the row's bytes seen as uint16 (little-endian bf16 bits)
+        row = block[q_off + 2 * r * k:q_off + 2 * (r + 1) * k].view(np.uint16)
+        for j in range(k):
+            buf[j] = np.uint32(np.uint32(row[j]) << np.uint32(16)).view(np.float32)
 
 
 @njit(inline="always")
-def _rows_fp8(block, q_off, s_off, r, k, x, e4m3):
-    qrow = q_off + r * k
+def _dot(a, b, k):
     acc = np.float32(0.0)
     for j in range(k):
-        acc += e4m3[block[qrow + j]] * x[j]
-    return acc * block[s_off + 4 * r:s_off + 4 * r + 4].view(np.float32)[0]
-
-
-@njit(inline="always")
-def _rows_bf16(block, q_off, r, k, x):
-    # the row's bytes seen as uint16 (little-endian bf16 bits): a vectorizable dot, 3.5x the
-    # byte-pair assembly on the CPU machine
-    row = block[q_off + 2 * r * k:q_off + 2 * (r + 1) * k].view(np.uint16)
-    acc = np.float32(0.0)
-    for j in range(k):
-        acc += np.uint32(np.uint32(row[j]) << np.uint32(16)).view(np.float32) * x[j]
+        acc += a[j] * b[j]
     return acc
 
 
-@njit(inline="always")
-def _row_dot(fmt, block, q_off, s_off, gscale, r, k, kp, x, e2m1, e4m3):
-    if fmt == 2:
-        return _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, e2m1, e4m3)
-    if fmt == 1:
-        return _rows_fp8(block, q_off, s_off, r, k, x, e4m3)
-    return _rows_bf16(block, q_off, r, k, x)
+ROWS_A_TASK = 16   # rows a parallel task decodes (its scratch rows are allocated once a task)
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FM)
-def expert_block_swiglu(fmt, block, lay, x, out, e2m1, e4m3):
+def expert_block_swiglu(fmt, block, lay, x, out):
     """One expert from its block over tokens: x [T, H] f32 -> out [T, H] f32.
 
-    fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc).
-    """
+    fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). Each weight row is decoded
+    once into a float32 scratch row, then dotted with every token's input."""
     h, i_dim, hp, ip = lay[6], lay[7], lay[8], lay[9]
     gs = block[0:12].view(np.float32)
     t = x.shape[0]
     act = np.empty((t, i_dim), dtype=np.float32)
-    for idx in prange(i_dim):
-        for ti in range(t):
-            g = _row_dot(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, x[ti], e2m1, e4m3)
-            u = _row_dot(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, x[ti], e2m1, e4m3)
-            act[ti, idx] = g / (np.float32(1.0) + math.exp(-g)) * u
-    for r in prange(h):
-        for ti in range(t):
-            out[ti, r] = _row_dot(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, act[ti], e2m1, e4m3)
+    for c in prange((i_dim + ROWS_A_TASK - 1) // ROWS_A_TASK):
+        bg = np.empty(h, dtype=np.float32)
+        bu = np.empty(h, dtype=np.float32)
+        for idx in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, i_dim)):
+            _decode_row(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, bg)
+            _decode_row(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, bu)
+            for ti in range(t):
+                g = _dot(bg, x[ti], h)
+                u = _dot(bu, x[ti], h)
+                act[ti, idx] = g / (np.float32(1.0) + math.exp(-g)) * u
+    for c in prange((h + ROWS_A_TASK - 1) // ROWS_A_TASK):
+        bd = np.empty(i_dim, dtype=np.float32)
+        for r in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, h)):
+            _decode_row(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, bd)
+            for ti in range(t):
+                out[ti, r] = _dot(bd, act[ti], i_dim)
 
 
 # ---- sampling --------------------------------------------------------------------------------
@@ -578,7 +603,7 @@ class CpuOps:
         if len(weights) == 3 and isinstance(weights[0], str):
             fmt, block, lay = weights
             out = np.empty(x.shape, dtype=np.float32)
-            expert_block_swiglu(FMT_CODE[fmt], block, lay, np.ascontiguousarray(x), out, E2M1, E4M3)
+            expert_block_swiglu(FMT_CODE[fmt], block, lay, np.ascontiguousarray(x), out)
             return out
         gate, up, down = weights
         g = self.linear(x, gate)
