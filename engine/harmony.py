@@ -4,9 +4,11 @@ gpt-oss writes its reply as messages on channels, each
     <|channel|>NAME[ to=functions.TOOL][ <|constrain|>json]<|message|>TEXT<|end|> (or <|return|>,
     <|call|>), the next one after <|start|>assistant.
 The analysis channel is its reasoning (message.reasoning_content), final and commentary are
-what it says (content), and a commentary message addressed to=functions.TOOL that ends with
-<|call|> is a call of that tool with TEXT as its JSON arguments. The markers are special tokens:
-the reply is decoded with them kept. Text before any marker is content.
+what it says (content), and a message addressed to=functions.TOOL (in its header or after
+<|start|>assistant, as the chat template writes past calls) that ends with <|call|> is a call
+of that tool with TEXT as its JSON arguments. The markers are special tokens: the reply is
+decoded with them kept, and other special tokens are dropped (<|endoftext|> ends a message).
+Text before any marker is content once it is clearly not a message's header.
 """
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import re
 import uuid
 
 MARKS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
-         "<|constrain|>")
-ENDS = ("<|end|>", "<|return|>", "<|call|>")
+         "<|constrain|>", "<|endoftext|>")
+ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")
 _TO = re.compile(r"to=functions\.([\w.\-]+)")
+_SPECIAL = re.compile(r"<\|[\w.]+\|>")          # a special token's text
+_SPECIAL_START = re.compile(r"<\|[\w.]*\|?\Z")  # ... still arriving
+HEADER_MAX = 256   # text before any marker longer than this is content, not a header
 
 
 def uses_harmony(tokenizer) -> bool:
@@ -30,9 +35,11 @@ class HarmonyParser:
 
     def __init__(self):
         self.buf = ""
-        self.state = "body"     # body (a message's text) | header (after <|channel|>) | between
+        self.role = ""          # text after <|start|> (or the reply's start) until <|channel|>
+        self.state = "start"    # start | body (a message's text) | header (after <|channel|>) | between
         self.kind = "text"      # what the current body is: reasoning, text, or a call's arguments
         self.header = ""
+        self.to_text = ""       # the role's text of the current message (may name its recipient)
         self.tool = None        # the function a commentary message is addressed to
         self.args = ""
         self.calls = 0
@@ -49,12 +56,13 @@ class HarmonyParser:
                 return out
             mark = next((m for m in MARKS if self.buf.startswith(m, i)), None)
             if mark is None:
-                if any(m.startswith(self.buf[i:]) for m in MARKS):   # a marker still arriving
+                if _SPECIAL_START.match(self.buf, i):   # a token still arriving
                     self._text(self.buf[:i], out)
                     self.buf = self.buf[i:]
                     return out
-                self._text(self.buf[:i + 2], out)   # "<|" that begins no marker: text
-                self.buf = self.buf[i + 2:]
+                other = _SPECIAL.match(self.buf, i)
+                self._text(self.buf[:i] if other else self.buf[:i + 2], out)
+                self.buf = self.buf[other.end() if other else i + 2:]   # another special: dropped
                 continue
             self._text(self.buf[:i], out)
             self.buf = self.buf[i + len(mark):]
@@ -64,6 +72,9 @@ class HarmonyParser:
         out: list[tuple[str, object]] = []
         self._text(self.buf, out)
         self.buf = ""
+        if self.state == "start" and self.role:   # no marker came: it was all content
+            out.append(("text", self.role))
+            self.role = ""
         if self.kind == "args" and self.args:   # a call the reply did not finish: its text
             out.append(("text", self.args))
             self.args = ""
@@ -72,6 +83,12 @@ class HarmonyParser:
     def _text(self, text: str, out: list) -> None:
         if not text:
             return
+        if self.state in ("start", "between"):
+            self.role += text
+            if self.state == "start" and len(self.role) > HEADER_MAX:   # plainly not a header
+                self.state, text, self.role = "body", self.role, ""
+            else:
+                return
         if self.state == "header":
             self.header += text
         elif self.state == "body":
@@ -81,14 +98,13 @@ class HarmonyParser:
                 out[-1] = (self.kind, out[-1][1] + text)
             else:
                 out.append((self.kind, text))
-        # between messages (after <|start|>: the role's name): dropped
 
     def _mark(self, mark: str, out: list) -> None:
-        if mark == "<|channel|>":
-            self.state, self.header = "header", ""
+        if mark == "<|channel|>":   # the role's text may name the recipient: part of the header
+            self.state, self.header, self.to_text, self.role = "header", "", self.role, ""
         elif mark == "<|message|>":
             channel = self.header.split(maxsplit=1)[0] if self.header.split() else ""
-            to = _TO.search(self.header)
+            to = _TO.search(self.to_text + " " + self.header + " " + self.role)
             self.tool = to.group(1) if to else None
             self.kind = ("args" if self.tool else "reasoning" if channel == "analysis" else "text")
             self.state, self.args = "body", ""
@@ -105,4 +121,4 @@ class HarmonyParser:
                 elif self.args:
                     out.append(("text", self.args))
                 self.args = ""
-            self.state, self.kind, self.tool = "between", "text", None
+            self.state, self.kind, self.tool, self.role, self.to_text = "between", "text", None, "", ""

@@ -33,7 +33,7 @@ from starlette.routing import Route
 from engine.runtime import GenerationParams
 from engine.tokenizer import StreamDecoder, TemplateError
 from engine.harmony import uses_harmony
-from engine.toolcalls import reply_parser, split_reply, template_writes_calls
+from engine.toolcalls import param_types, reply_parser, split_reply, template_writes_calls
 
 RETRY_AFTER_S = 1                   # the Retry-After of a 503 (queue full)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -128,6 +128,11 @@ class GenRequest:
     include_usage: bool
     reply: str = "text"         # chat replies: "text" as it is, "tool_calls" (<tool_call> blocks ->
                                 # message.tool_calls) or "harmony" (gpt-oss's channels), engine/toolcalls.py
+    tool_types: dict = field(default_factory=dict)   # param_types() of the request's tools
+    thinking: bool = False      # the prompt ends inside <think>: the reply starts as reasoning
+
+    def parser(self):
+        return reply_parser(self.reply, self.tool_types, self.thinking)
 
 
 def _check_unsupported(body: dict):
@@ -239,9 +244,15 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
             raise ApiError(400, f"'messages[{i}].content' is required for role {role!r}",
                            param=f"messages[{i}].content")
         msgs.append({**m, "content": text})
+        if role == "assistant" and isinstance(m.get("tool_calls"), list):
+            msgs[-1]["tool_calls"] = [_call_for_template(c) for c in m["tool_calls"]]
     tools = _field(body, "tools", "array")
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise ApiError(400, "'tools' must be an array of objects", param="tools")
+    choice = body.get("tool_choice", "auto")
+    if not (choice in ("auto", "none", "required") or isinstance(choice, dict)):
+        raise ApiError(400, "'tool_choice' must be \"auto\", \"none\", \"required\" or an object "
+                            f"naming a function; got {json.dumps(choice)}", param="tool_choice")
     add_generation_prompt = _field(body, "add_generation_prompt", "boolean", True)
     kwargs = _field(body, "chat_template_kwargs", "object", {})
     clash = [k for k in kwargs if k in TEMPLATE_RESERVED]
@@ -257,9 +268,25 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
                        else str(e), param="messages")
     ids = tokenizer.encode(text, add_special_tokens=False)   # the template writes its own BOS
     params = _sampling(body, model, len(ids), None)
+    calls = bool(tools) and choice != "none"
     reply = ("harmony" if uses_harmony(tokenizer) else
-             "tool_calls" if tools and template_writes_calls(tokenizer.chat_template.source) else "text")
-    return GenRequest("chat", ids, params, stop, stream, include_usage, reply)
+             "tool_calls" if calls and template_writes_calls(tokenizer.chat_template.source) else "text")
+    return GenRequest("chat", ids, params, stop, stream, include_usage, reply,
+                      param_types(tools) if calls else {}, text.rstrip().endswith("<think>"))
+
+
+def _call_for_template(call):
+    """An assistant message's tool call as chat templates read it: arguments as an object (the
+    API sends a JSON string; Qwen3.5's template iterates arguments' items), else unchanged."""
+    f = call.get("function") if isinstance(call, dict) else None
+    if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+        try:
+            args = json.loads(f["arguments"])
+        except ValueError:
+            return call
+        if isinstance(args, dict):
+            return {**call, "function": {**f, "arguments": args}}
+    return call
 
 
 def parse_completion(body: dict, model: ServedModel, tokenizer) -> GenRequest:
@@ -589,7 +616,8 @@ class Server:
         rid, chat = uuid.uuid4().hex, job.req.kind == "chat"
         message = {"role": "assistant", "content": text}
         if chat and job.req.reply != "text":
-            content, reasoning, calls = split_reply(text, job.req.reply)
+            content, reasoning, calls = split_reply(text, job.req.reply, job.req.tool_types,
+                                                    job.req.thinking)
             message = {"role": "assistant", "content": content}
             if reasoning:
                 message["reasoning_content"] = reasoning
@@ -615,7 +643,7 @@ class Server:
             extra = {"usage": None} if req.include_usage else {}
             return _sse({**base, "choices": [choice], **extra})
 
-        parser = reply_parser(req.reply) if chat and req.reply != "text" else None
+        parser = req.parser() if chat and req.reply != "text" else None
         calls = 0
 
         def pieces(events):   # parser events -> chunks; tool calls numbered in order

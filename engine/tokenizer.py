@@ -42,8 +42,10 @@ class ChatTemplate:
             return self.template.render(messages=messages, tools=tools,
                                         add_generation_prompt=add_generation_prompt,
                                         **self.special, **kwargs)
-        except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template failed to render: {e}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+            # (a template's own code failing on what it was given, e.g. a message's field of a
+            # type it does not expect)
+            raise TemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from None
 
 
 class Tokenizer:

@@ -1,29 +1,68 @@
 """Tool calls in a chat reply, for the OpenAI API's message.tool_calls (engine.serve).
 
-The chat templates of Qwen2.5, Qwen3, Qwen3-Next and Qwen3.5 (the Hermes style) ask the model to
-write each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call> in its reply. When a
-request gives tools and the model's template writes that tag, the server turns each such block
-into a tool call; the text around the blocks stays the message's content. A block whose JSON
-does not parse as {"name": string, "arguments": ...}, or that the reply leaves open, stays text.
+The chat templates of Qwen2.5, Qwen3 and Qwen3-Next (the Hermes style) ask the model to write
+each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call> in its reply; Qwen3.5's and
+Qwen3-Coder's as <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function>
+</tool_call>. When a request gives tools and the model's template writes that tag, the server
+turns each such block into a tool call; the text around the blocks stays the message's content.
+A block that parses as neither, or that the reply leaves open, stays text. Reasoning
+(<think>...</think>, which may mention the tag) passes through untouched.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+THINK, UNTHINK = "<think>", "</think>"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
 def template_writes_calls(chat_template: str | None) -> bool:
     return bool(chat_template) and OPEN in chat_template
 
 
-def parse_call(body: str) -> dict | None:
-    """One block's JSON -> an OpenAI tool call (arguments as a JSON string), or None."""
+def param_types(tools) -> dict:
+    """{function name: {parameter: JSON schema type}} of a request's tools."""
+    out = {}
+    for t in tools or ():
+        f = t.get("function") if isinstance(t, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("name"), str):
+            props = (f.get("parameters") or {}).get("properties") or {}
+            out[f["name"]] = {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
+    return out
+
+
+def _xml_call(body: str, types: dict) -> tuple[str, dict] | None:
+    """<function=NAME><parameter=K>V</parameter>...</function> -> (NAME, {K: V}); a value is
+    JSON where that parses and its parameter is not declared a string, else the text."""
+    m = _FUNCTION.fullmatch(body)
+    if m is None:
+        return None
+    name, args = m.group(1).strip(), {}
+    for key, value in _PARAMETER.findall(m.group(2)):
+        key = key.strip()
+        if types.get(name, {}).get(key) != "string":
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        args[key] = value
+    return name, args
+
+
+def parse_call(body: str, types: dict | None = None) -> dict | None:
+    """One block -> an OpenAI tool call (arguments as a JSON string), or None. types: the
+    request's param_types()."""
     try:
         obj = json.loads(body)
     except ValueError:
-        return None
+        xml = _xml_call(body, types or {})
+        if xml is None:
+            return None
+        obj = {"name": xml[0], "arguments": xml[1]}
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -33,42 +72,59 @@ def parse_call(body: str) -> dict | None:
                          json.dumps(args, ensure_ascii=False)}}
 
 
-def _open_prefix(text: str) -> int:
-    """The length of the longest tail of text that could begin OPEN (held back: the next piece
-    decides)."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:k]):
+def _held(text: str, tags) -> int:
+    """The length of the longest tail of text that could begin one of tags (held back: the
+    next piece decides)."""
+    for k in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
+        if any(t.startswith(text[-k:]) for t in tags):
             return k
     return 0
 
 
 class ToolCallParser:
-    """Reply text in pieces -> events in order: ("text", str) and ("call", tool call dict)."""
+    """Reply text in pieces -> events in order: ("text", str) and ("call", tool call dict).
+    thinking: the reply starts inside <think> (the prompt ended with it)."""
 
-    def __init__(self):
+    def __init__(self, types: dict | None = None, thinking: bool = False):
         self.buf, self.inside, self.calls = "", False, 0
+        self.types, self.thinking = types or {}, thinking
 
     def push(self, piece: str) -> list[tuple[str, object]]:
         self.buf += piece
         out: list[tuple[str, object]] = []
+
+        def text(t: str) -> None:
+            if t:
+                out.append(("text", t))
         while True:
-            if not self.inside:
-                i = self.buf.find(OPEN)
-                if i < 0:
-                    cut = len(self.buf) - _open_prefix(self.buf)
-                    if cut:
-                        out.append(("text", self.buf[:cut]))
+            if self.thinking:   # reasoning, tags and all, until </think>
+                j = self.buf.find(UNTHINK)
+                if j < 0:
+                    cut = len(self.buf) - _held(self.buf, (UNTHINK,))
+                    text(self.buf[:cut])
                     self.buf = self.buf[cut:]
                     return out
-                if i:
-                    out.append(("text", self.buf[:i]))
+                text(self.buf[:j + len(UNTHINK)])
+                self.buf, self.thinking = self.buf[j + len(UNTHINK):], False
+            elif not self.inside:
+                i, k = self.buf.find(OPEN), self.buf.find(THINK)
+                if k >= 0 and (i < 0 or k < i):
+                    text(self.buf[:k + len(THINK)])
+                    self.buf, self.thinking = self.buf[k + len(THINK):], True
+                    continue
+                if i < 0:
+                    cut = len(self.buf) - _held(self.buf, (OPEN, THINK))
+                    text(self.buf[:cut])
+                    self.buf = self.buf[cut:]
+                    return out
+                text(self.buf[:i])
                 self.buf, self.inside = self.buf[i + len(OPEN):], True
             else:
                 j = self.buf.find(CLOSE)
                 if j < 0:
                     return out
                 body, self.buf, self.inside = self.buf[:j], self.buf[j + len(CLOSE):], False
-                call = parse_call(body.strip())
+                call = parse_call(body.strip(), self.types)
                 if call is None:
                     out.append(("text", OPEN + body + CLOSE))
                 else:
@@ -82,20 +138,21 @@ class ToolCallParser:
         return [("text", text)] if text else []
 
 
-def reply_parser(kind: str):
-    """The parser of a reply format: "tool_calls" (the blocks above) or "harmony" (gpt-oss's
-    channels, engine/harmony.py). Both turn text pieces into ("text" | "reasoning" | "call")
-    events."""
+def reply_parser(kind: str, types: dict | None = None, thinking: bool = False):
+    """The parser of a reply format: "tool_calls" (the blocks above; types: param_types(),
+    thinking: the reply starts inside <think>) or "harmony" (gpt-oss's channels,
+    engine/harmony.py). Both turn text pieces into ("text" | "reasoning" | "call") events."""
     if kind == "harmony":
         from engine.harmony import HarmonyParser
         return HarmonyParser()
-    return ToolCallParser()
+    return ToolCallParser(types, thinking)
 
 
-def split_reply(text: str, kind: str = "tool_calls") -> tuple[str | None, str, list[dict]]:
+def split_reply(text: str, kind: str = "tool_calls", types: dict | None = None,
+                thinking: bool = False) -> tuple[str | None, str, list[dict]]:
     """A whole reply -> (content, reasoning, tool calls): content None when the reply is calls
     and whitespace only."""
-    p = reply_parser(kind)
+    p = reply_parser(kind, types, thinking)
     events = p.push(text) + p.flush()
     calls = [v for k, v in events if k == "call"]
     content = "".join(v for k, v in events if k == "text")

@@ -44,6 +44,14 @@ def events_of(text: str, cuts) -> list:
     (CALL, [("reasoning", "Need the weather."),
             ("call", {"name": "get_weather", "arguments": '{"city": "Paris"}'})]),
     ("plain text, no markers", [("text", "plain text, no markers")]),
+    # the recipient after <|start|>assistant, as the chat template writes past calls; another
+    # special token dropped, <|endoftext|> ending a message
+    ("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant to=functions.get_weather"
+     '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+     [("reasoning", "Think."), ("call", {"name": "get_weather", "arguments": '{"city": "Paris"}'})]),
+    (" to=functions.f<|channel|>commentary<|message|>{}<|call|>",
+     [("call", {"name": "f", "arguments": "{}"})]),
+    ("<|channel|>final<|message|>Hi<|im_end|> there<|endoftext|>", [("text", "Hi there")]),
     # a call the reply does not finish (cut by max_tokens): its arguments come back as text
     (CALL[:-len("<|call|>")], [("reasoning", "Need the weather."), ("text", '{"city": "Paris"}')]),
 ])

@@ -71,6 +71,27 @@ def test_what_is_not_a_call_stays_text(text):
     assert split_reply(text) == (text, "", [])
 
 
+def test_qwen35_xml_calls_and_reasoning():
+    """Qwen3.5 / Qwen3-Coder's <function=...><parameter=...> blocks, values typed by the tools'
+    schemas (JSON where it parses, unless declared a string); a <tool_call> inside <think> is
+    reasoning, not a call, and so is all of a reply whose prompt ended with <think>."""
+    xml = ("<think>\nMaybe <tool_call> get_weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+           "<parameter=city>\nZürich\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+           "<parameter=zip>\n8001\n</parameter>\n</function>\n</tool_call>")
+    types = {"get_weather": {"city": "string", "days": "integer", "zip": "string"}}
+    for cut in range(1, len(xml)):
+        p = ToolCallParser(types)
+        ev = p.push(xml[:cut]) + p.push(xml[cut:]) + p.flush()
+        text = "".join(v for k, v in ev if k == "text")
+        calls = [v["function"] for k, v in ev if k == "call"]
+        assert text == "<think>\nMaybe <tool_call> get_weather.\n</think>\n\n", cut
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+            [("get_weather", {"city": "Zürich", "days": 3, "zip": "8001"})], cut
+    inside = "still thinking <tool_call>{\"name\": \"f\"}</tool_call></think>done"
+    assert split_reply(inside, thinking=True) == (inside, "", [])
+    assert split_reply(inside)[2][0]["function"]["name"] == "f"
+
+
 def test_split_reply():
     content, _, calls = split_reply(REPLY)
     assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
@@ -129,6 +150,26 @@ def test_server_returns_tool_calls(srv):
                     {"role": "tool", "tool_call_id": m.message.tool_calls[0].id, "content": "21 C"}]
     r2 = c.chat.completions.create(model=NAME, messages=turn, tools=TOOLS, max_tokens=400)
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_tool_choice_and_history_arguments(srv):
+    """tool_choice none: blocks stay text; a value the API does not define is refused; the
+    history's arguments (a JSON string in the API) reach the template as an object, which
+    Qwen3.5's template iterates."""
+    c = srv.client()
+    r = c.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, tool_choice="none",
+                                  max_tokens=400)
+    assert r.choices[0].message.content == REPLY and r.choices[0].finish_reason == "stop"
+    import openai
+    with pytest.raises(openai.BadRequestError, match="'tool_choice' must be"):
+        c.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, tool_choice="always",
+                                  max_tokens=4)
+    from engine.serve import _call_for_template
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert _call_for_template(call)["function"]["arguments"] == {"city": "Paris"}
+    assert _call_for_template({**call, "function": {"name": "f", "arguments": "not json"}}) == \
+        {**call, "function": {"name": "f", "arguments": "not json"}}
 
 
 def test_without_tools_or_cut_short_the_text_is_content(srv):
