@@ -353,19 +353,87 @@ def _dot(a, b, k):
     return acc
 
 
+@njit(inline="always")
+def _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, e2m1, e4m3):
+    """dot(row r of an NVFP4 matrix, x[:k]); row stride kp/2 bytes, kp/16 scales."""
+    qrow = q_off + r * (kp // 2)
+    srow = s_off + r * (kp // 16)
+    acc = np.float32(0.0)
+    if k == kp:   # no padded columns: no bounds test a value (1.3x on the CPU machine)
+        for g in range(kp // 16):
+            part = np.float32(0.0)
+            for b in range(8):
+                byte = block[qrow + g * 8 + b]
+                part += e2m1[byte & 0xF] * x[g * 16 + 2 * b] + e2m1[byte >> 4] * x[g * 16 + 2 * b + 1]
+            acc += part * e4m3[block[srow + g]]
+        return acc * gscale
+    for g in range(kp // 16):
+        sc = e4m3[block[srow + g]]
+        part = np.float32(0.0)
+        base = g * 16
+        for b in range(8):
+            j = base + 2 * b
+            byte = block[qrow + j // 2]
+            if j < k:
+                part += e2m1[byte & 0xF] * x[j]
+            if j + 1 < k:
+                part += e2m1[byte >> 4] * x[j + 1]
+        acc += part * sc
+    return acc * gscale
+
+
+@njit(inline="always")
+def _rows_fp8(block, q_off, s_off, r, k, x, e4m3):
+    qrow = q_off + r * k
+    acc = np.float32(0.0)
+    for j in range(k):
+        acc += e4m3[block[qrow + j]] * x[j]
+    return acc * block[s_off + 4 * r:s_off + 4 * r + 4].view(np.float32)[0]
+
+
+@njit(inline="always")
+def _rows_bf16(block, q_off, r, k, x):
+    # the row's bytes seen as uint16 (little-endian bf16 bits): a vectorizable dot, 3.5x the
+    # byte-pair assembly on the CPU machine
+    row = block[q_off + 2 * r * k:q_off + 2 * (r + 1) * k].view(np.uint16)
+    acc = np.float32(0.0)
+    for j in range(k):
+        acc += np.uint32(np.uint32(row[j]) << np.uint32(16)).view(np.float32) * x[j]
+    return acc
+
+
+@njit(inline="always")
+def _row_dot(fmt, block, q_off, s_off, gscale, r, k, kp, x, e2m1, e4m3):
+    if fmt == 2:
+        return _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, e2m1, e4m3)
+    if fmt == 1:
+        return _rows_fp8(block, q_off, s_off, r, k, x, e4m3)
+    return _rows_bf16(block, q_off, r, k, x)
+
+
 ROWS_A_TASK = 16   # rows a parallel task decodes (its scratch rows are allocated once a task)
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FM)
-def expert_block_swiglu(fmt, block, lay, x, out):
+def expert_block_swiglu(fmt, block, lay, x, out, e2m1, e4m3):
     """One expert from its block over tokens: x [T, H] f32 -> out [T, H] f32.
 
-    fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). Each weight row is decoded
-    once into a float32 scratch row, then dotted with every token's input."""
+    fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). One token: each row is dotted
+    with it as it is read (_row_dot). More: each row is decoded once into a float32 scratch row,
+    then dotted with every token's input (a 16-token group 3x faster in fp8 and NVFP4; one token
+    2.2x slower in bf16 and 1.3x in fp8 that way, on the CPU machine)."""
     h, i_dim, hp, ip = lay[6], lay[7], lay[8], lay[9]
     gs = block[0:12].view(np.float32)
     t = x.shape[0]
     act = np.empty((t, i_dim), dtype=np.float32)
+    if t == 1:
+        for idx in prange(i_dim):
+            g = _row_dot(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, x[0], e2m1, e4m3)
+            u = _row_dot(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, x[0], e2m1, e4m3)
+            act[0, idx] = g / (np.float32(1.0) + math.exp(-g)) * u
+        for r in prange(h):
+            out[0, r] = _row_dot(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, act[0], e2m1, e4m3)
+        return
     for c in prange((i_dim + ROWS_A_TASK - 1) // ROWS_A_TASK):
         bg = np.empty(h, dtype=np.float32)
         bu = np.empty(h, dtype=np.float32)
@@ -603,7 +671,7 @@ class CpuOps:
         if len(weights) == 3 and isinstance(weights[0], str):
             fmt, block, lay = weights
             out = np.empty(x.shape, dtype=np.float32)
-            expert_block_swiglu(FMT_CODE[fmt], block, lay, np.ascontiguousarray(x), out)
+            expert_block_swiglu(FMT_CODE[fmt], block, lay, np.ascontiguousarray(x), out, E2M1, E4M3)
             return out
         gate, up, down = weights
         g = self.linear(x, gate)
