@@ -112,6 +112,8 @@ class HarmonyParser:
             if self.state == "header":
                 self.header += " "
         elif mark in ENDS or mark == "<|start|>":
+            if self.state == "start" and self.role:   # text before any header: content
+                out.append(("text", self.role))
             if self.kind == "args" and self.state == "body":
                 if mark == "<|call|>":
                     self.calls += 1

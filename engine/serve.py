@@ -244,12 +244,11 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
             raise ApiError(400, f"'messages[{i}].content' is required for role {role!r}",
                            param=f"messages[{i}].content")
         msgs.append({**m, "content": text})
-        if role == "assistant" and isinstance(m.get("tool_calls"), list):
-            msgs[-1]["tool_calls"] = [_call_for_template(c) for c in m["tool_calls"]]
     tools = _field(body, "tools", "array")
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise ApiError(400, "'tools' must be an array of objects", param="tools")
-    choice = body.get("tool_choice", "auto")
+    choice = body.get("tool_choice")
+    choice = "auto" if choice is None else choice
     if not (choice in ("auto", "none", "required") or isinstance(choice, dict)):
         raise ApiError(400, "'tool_choice' must be \"auto\", \"none\", \"required\" or an object "
                             f"naming a function; got {json.dumps(choice)}", param="tool_choice")
@@ -262,7 +261,7 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
     stop = _stop_strings(body)
     stream, include_usage = _stream_flags(body)
     try:
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt, tools or None, **kwargs)
+        text = _render(tokenizer, msgs, add_generation_prompt, tools or None, kwargs)
     except TemplateError as e:
         raise ApiError(400, f"{e} (use /v1/completions for raw text)" if tokenizer.chat_template is None
                        else str(e), param="messages")
@@ -275,9 +274,28 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
                       param_types(tools) if calls else {}, text.rstrip().endswith("<think>"))
 
 
+def _render(tokenizer, msgs, add_generation_prompt, tools, kwargs) -> str:
+    """The chat template on the messages as the client sent them; where that fails and the
+    history holds tool calls, again with their arguments as objects: the API sends a JSON
+    string, which some templates print (DeepSeek's concatenate it) and others iterate
+    (Qwen3.5's: arguments|items)."""
+    try:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt, tools, **kwargs)
+    except TemplateError:
+        objs = [{**m, "tool_calls": [_call_for_template(c) for c in m["tool_calls"]]}
+                if isinstance(m.get("tool_calls"), list) else m for m in msgs]
+        if objs == msgs:
+            raise
+        try:
+            return tokenizer.apply_chat_template(objs, add_generation_prompt, tools, **kwargs)
+        except TemplateError:
+            pass
+        raise
+
+
 def _call_for_template(call):
-    """An assistant message's tool call as chat templates read it: arguments as an object (the
-    API sends a JSON string; Qwen3.5's template iterates arguments' items), else unchanged."""
+    """An assistant message's tool call with its arguments as an object where they are a JSON
+    object's text, else unchanged."""
     f = call.get("function") if isinstance(call, dict) else None
     if isinstance(f, dict) and isinstance(f.get("arguments"), str):
         try:

@@ -30,9 +30,18 @@ def param_types(tools) -> dict:
     for t in tools or ():
         f = t.get("function") if isinstance(t, dict) else None
         if isinstance(f, dict) and isinstance(f.get("name"), str):
-            props = (f.get("parameters") or {}).get("properties") or {}
-            out[f["name"]] = {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
+            params = f.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            out[f["name"]] = ({k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
+                              if isinstance(props, dict) else {})
     return out
+
+
+def _strict_json(text: str):
+    """json.loads without NaN / Infinity (not JSON: arguments must stay valid JSON)."""
+    def refuse(name):
+        raise ValueError(name)
+    return json.loads(text, parse_constant=refuse)
 
 
 def _xml_call(body: str, types: dict) -> tuple[str, dict] | None:
@@ -46,7 +55,7 @@ def _xml_call(body: str, types: dict) -> tuple[str, dict] | None:
         key = key.strip()
         if types.get(name, {}).get(key) != "string":
             try:
-                value = json.loads(value)
+                value = _strict_json(value)
             except ValueError:
                 pass
         args[key] = value

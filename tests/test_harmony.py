@@ -52,6 +52,7 @@ def events_of(text: str, cuts) -> list:
     (" to=functions.f<|channel|>commentary<|message|>{}<|call|>",
      [("call", {"name": "f", "arguments": "{}"})]),
     ("<|channel|>final<|message|>Hi<|im_end|> there<|endoftext|>", [("text", "Hi there")]),
+    ("Hello there<|return|>", [("text", "Hello there")]),   # no header at all: content
     # a call the reply does not finish (cut by max_tokens): its arguments come back as text
     (CALL[:-len("<|call|>")], [("reasoning", "Need the weather."), ("text", '{"city": "Paris"}')]),
 ])

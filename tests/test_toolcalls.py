@@ -92,6 +92,17 @@ def test_qwen35_xml_calls_and_reasoning():
     assert split_reply(inside)[2][0]["function"]["name"] == "f"
 
 
+def test_odd_schemas_and_values():
+    """Tools whose schemas are not objects give no types (not a server error); an XML value that
+    only Python's JSON reads (NaN) stays a string, so the arguments stay valid JSON."""
+    from engine.toolcalls import param_types, parse_call
+    assert param_types([{"function": {"name": "f", "parameters": "x"}},
+                        {"function": {"name": "g", "parameters": {"properties": [1]}}}]) == \
+        {"f": {}, "g": {}}
+    call = parse_call("<function=f>\n<parameter=x>\nNaN\n</parameter>\n</function>")
+    assert json.loads(call["function"]["arguments"]) == {"x": "NaN"}
+
+
 def test_split_reply():
     content, _, calls = split_reply(REPLY)
     assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
@@ -164,12 +175,32 @@ def test_tool_choice_and_history_arguments(srv):
     with pytest.raises(openai.BadRequestError, match="'tool_choice' must be"):
         c.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, tool_choice="always",
                                   max_tokens=4)
-    from engine.serve import _call_for_template
+    r = c.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, max_tokens=400,
+                                  extra_body={"tool_choice": None})   # null: as if left out
+    assert r.choices[0].finish_reason == "tool_calls"
+    from engine.serve import _call_for_template, _render
+    from engine.tokenizer import ChatTemplate
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     assert _call_for_template(call)["function"]["arguments"] == {"city": "Paris"}
     assert _call_for_template({**call, "function": {"name": "f", "arguments": "not json"}}) == \
         {**call, "function": {"name": "f", "arguments": "not json"}}
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+    class Tok:   # a tokenizer holding just a template
+        def __init__(self, source):
+            self.chat_template = ChatTemplate(source, {})
+
+        def apply_chat_template(self, m, add, tools, **kw):
+            return self.chat_template.render(m, add, tools, **kw)
+    # DeepSeek's templates concatenate the string; Qwen3.5's iterate the object's items
+    concat = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+              "{{ '<call>' + c.function.name + ':' + c.function.arguments }}{% endfor %}{% endfor %}")
+    items = ("{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in "
+             "c.function.arguments|items %}<{{ k }}={{ v }}>{% endfor %}{% endfor %}{% endfor %}")
+    assert _render(Tok(concat), history, True, None, {}) == '<call>get_weather:{"city": "Paris"}'
+    assert _render(Tok(items), history, True, None, {}) == "<city=Paris>"
 
 
 def test_without_tools_or_cut_short_the_text_is_content(srv):
