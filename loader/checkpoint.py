@@ -3,10 +3,10 @@
 Tensors are memory-mapped, never copied until asked for. Every header is checked: offsets within
 the file, sizes matching shape x dtype, dtypes the engine reads. Errors name the file and tensor.
 
-NVFP4 (ModelOpt) and FP8 checkpoints read as bf16, each weight dequantized on read (rounded to
-bf16 as transformers does), its scale tensors hidden. NVFP4: a uint8 weight of packed E2M1 pairs
-beside `<name>_scale` (E4M3, one a 16 values) and `<name>_scale_2` (the float32 global scale);
-the packer copies those bytes into an nvfp4 arena as they are. FP8: an F8_E4M3 weight beside
+NVFP4 (ModelOpt, compressed-tensors) and FP8 checkpoints read as bf16, each weight dequantized on
+read (rounded to bf16 as transformers does), its scale tensors hidden. NVFP4: uint8 packed E2M1
+pairs beside E4M3 scales (one a 16 values) and a float32 global scale (_find_nvfp4 has both
+layouts); the packer copies those bytes into an nvfp4 arena as they are. FP8: an F8_E4M3 weight beside
 `<name>_scale_inv` (one a block: quant_method "fp8", Qwen's and DeepSeek's -FP8 releases) or
 `<name>_scale` (a channel or the tensor: AutoFP8, ModelOpt FP8, compressed-tensors with 8-bit
 float weights), W = q * scale. gpt-oss's MXFP4 experts (quant_method "mxfp4") read as bf16
@@ -169,42 +169,58 @@ class Checkpoint:
             return shards
         raise CheckpointError(f"{self.dir}: no {base}.safetensors and no {base}.safetensors.index.json")
 
+    # NVFP4 layouts: (suffix of the stored values, of the block scales, of the global scale, the
+    # global scale divides rather than multiplies, what else the layout stores beside a weight)
+    NVFP4_LAYOUTS = (("", "_scale", "_scale_2", False, ("input_scale",)),             # ModelOpt
+                     ("_packed", "_scale", "_global_scale", True,                      # compressed-
+                      ("input_global_scale", "weight_zero_point")))                    # tensors
+
     def _find_nvfp4(self) -> None:
-        """Register each NVFP4 weight (ModelOpt's layout: uint8 `weight` [N, K / 2], element 2j
-        in the low nibble of byte j; F8_E4M3 `weight_scale` [N, K / 16]; float32
-        `weight_scale_2`, the tensor's global scale; W = E2M1 * scale * global): it reads as
-        bf16 [N, K]; its scale tensors and a static `input_scale` are hidden."""
+        """Register each NVFP4 weight: uint8 values [N, K / 2] (element 2j in the low nibble of
+        byte j), F8_E4M3 block scales [N, K / 16], one float32 global scale. ModelOpt stores
+        them as `weight`, `weight_scale`, `weight_scale_2` with W = E2M1 * scale * global;
+        compressed-tensors ("nvfp4-pack-quantized") as `weight_packed`, `weight_scale`,
+        `weight_global_scale` with W = E2M1 * scale / global. Either reads as a bf16 `weight`
+        [N, K]; its scale tensors and the recipe's static activation scales are hidden (the
+        engine runs expert matrices on full-precision activations)."""
         for name, t in list(self.tensors.items()):
-            sc, g = self.tensors.get(name + "_scale"), self.tensors.get(name + "_scale_2")
-            if t.dtype != "U8" or sc is None or sc.dtype != "F8_E4M3":
-                continue
-            if len(t.shape) != 2:
-                raise CheckpointError(f"{t.file}: NVFP4 tensor {name} has shape {list(t.shape)}; "
-                                      "expected a 2-D weight")
-            n, k = t.shape[0], 2 * t.shape[1]
-            if sc.shape != (n, k // NVFP4_GROUP) or k % NVFP4_GROUP:
-                raise CheckpointError(f"{sc.file}: tensor {sc.name} has shape {list(sc.shape)}; "
-                                      f"expected [{n}, {k // NVFP4_GROUP}] (one E4M3 scale a "
-                                      f"{NVFP4_GROUP} values of {name}, {n} x {k} in NVFP4)")
-            if g is None or g.dtype != "F32" or int(np.prod(g.shape, dtype=np.int64)) != 1:
-                got = "missing" if g is None else f"{g.dtype} {list(g.shape)}"
-                raise CheckpointError(f"{t.file}: NVFP4 tensor {name} needs {name}_scale_2, one "
-                                      f"float32 global scale ({got})")
-            self.nvfp4[name] = (t, sc, g)
-            self.tensors[name] = TensorInfo(name, t.file, "BF16", (n, k), t.start, n * k * 2)
-            del self.tensors[sc.name], self.tensors[g.name]
-            if name.endswith("weight"):
-                self.tensors.pop(name[:-len("weight")] + "input_scale", None)
+            for vals, scale, glob, inverse, beside in self.NVFP4_LAYOUTS:
+                if not name.endswith("weight" + vals):
+                    continue
+                base = name[:len(name) - len(vals)]   # the weight's name, "...weight"
+                sc, g = self.tensors.get(base + scale), self.tensors.get(base + glob)
+                if t.dtype != "U8" or sc is None or sc.dtype != "F8_E4M3":
+                    continue
+                if len(t.shape) != 2:
+                    raise CheckpointError(f"{t.file}: NVFP4 tensor {name} has shape "
+                                          f"{list(t.shape)}; expected a 2-D weight")
+                n, k = t.shape[0], 2 * t.shape[1]
+                if sc.shape != (n, k // NVFP4_GROUP) or k % NVFP4_GROUP:
+                    raise CheckpointError(f"{sc.file}: tensor {sc.name} has shape {list(sc.shape)}; "
+                                          f"expected [{n}, {k // NVFP4_GROUP}] (one E4M3 scale a "
+                                          f"{NVFP4_GROUP} values of {name}, {n} x {k} in NVFP4)")
+                if g is None or g.dtype != "F32" or int(np.prod(g.shape, dtype=np.int64)) != 1:
+                    got = "missing" if g is None else f"{g.dtype} {list(g.shape)}"
+                    raise CheckpointError(f"{t.file}: NVFP4 tensor {name} needs {base}{glob}, "
+                                          f"one float32 global scale ({got})")
+                self.nvfp4[base] = (t, sc, g, inverse)
+                del self.tensors[name], self.tensors[sc.name], self.tensors[g.name]
+                self.tensors[base] = TensorInfo(base, t.file, "BF16", (n, k), t.start, n * k * 2)
+                for extra in beside:
+                    self.tensors.pop(base[:-len("weight")] + extra, None)
 
     def nvfp4_parts(self, name: str) -> tuple | None:
         """An NVFP4 weight as stored: (values uint8 [N, K / 2], block scales uint8 [N, K / 16]
         E4M3 bits, global scale float), its scales checked finite; None for any other tensor."""
         if name not in self.nvfp4:
             return None
-        t, sc, g = self.nvfp4[name]
+        t, sc, g, inverse = self.nvfp4[name]
         q, s, gv = self._stored(t), self._stored(sc), float(self._stored(g).reshape(-1)[0])
-        if not np.isfinite(gv):
-            raise CheckpointError(f"{g.file}: {g.name} is {gv}, expected a finite global scale")
+        if not np.isfinite(gv) or (inverse and gv == 0):
+            raise CheckpointError(f"{g.file}: {g.name} is {gv}, expected a finite "
+                                  f"{'non-zero ' if inverse else ''}global scale")
+        if inverse:   # compressed-tensors divides by it; the arena's global multiplies
+            gv = float(np.float32(1) / np.float32(gv))
         bad = int(np.count_nonzero((s & 0x7F) == 0x7F))
         if bad:
             raise CheckpointError(f"{sc.file}: {sc.name}: {bad} NaN E4M3 scale(s)")
@@ -222,22 +238,8 @@ class Checkpoint:
                 raise CheckpointError(f"{cfg_path}: quantization_config.quant_algo is {algo!r}; "
                                       "the engine reads ModelOpt NVFP4 and FP8 checkpoints")
             return None
-        if method == "compressed-tensors":   # FP8 only: 8-bit float weights, scale a channel/tensor/block
-            block = None
-            if qc.get("format") not in ("float-quantized", "naive-quantized"):
-                raise CheckpointError(
-                    f"{cfg_path}: quantization_config.format is {qc.get('format')!r}; the engine "
-                    "reads compressed-tensors checkpoints in 'float-quantized' format only")
-            for gname, g in (qc.get("config_groups") or {}).items():
-                w = g.get("weights") or {}
-                if (w.get("num_bits"), w.get("type")) != (8, "float"):
-                    raise CheckpointError(
-                        f"{cfg_path}: quantization_config.config_groups.{gname}.weights is "
-                        f"{w.get('num_bits')}-bit {w.get('type')} ({qc.get('format')}); the engine "
-                        "reads compressed-tensors checkpoints with FP8 (8-bit float) weights only")
-                if w.get("strategy") == "block":
-                    block = w.get("block_structure")
-            return block
+        if method == "compressed-tensors":
+            return self._compressed_tensors(qc, cfg_path)
         if method == "mxfp4":   # gpt-oss: its experts' _blocks / _scales (_split_transposed_experts)
             if self.config.get("model_type") not in TRANSPOSED_FUSED:
                 raise CheckpointError(f"{cfg_path}: quantization_config.quant_method 'mxfp4' is "
@@ -253,6 +255,43 @@ class Checkpoint:
             raise CheckpointError(f"{cfg_path}: quantization_config.fmt is {qc['fmt']!r}; "
                                   "expected 'e4m3'")
         return qc.get("weight_block_size")
+
+    # compressed-tensors formats read: (format, weights' num_bits, type) -> what it is
+    CT_FORMATS = {("float-quantized", 8, "float"): "FP8", ("naive-quantized", 8, "float"): "FP8",
+                  ("nvfp4-pack-quantized", 4, "float"): "NVFP4"}
+
+    def _compressed_tensors(self, qc: dict, cfg_path: Path) -> list | None:
+        """FP8 (8-bit float weights, a scale a channel / tensor / block) or NVFP4 (4-bit float
+        weights, a group of 16, 'nvfp4-pack-quantized'), each config group checked, a
+        'mixed-precision' checkpoint's groups each by their own format; returns the FP8 block
+        shape if one is declared."""
+        top, block = qc.get("format"), None
+        groups = qc.get("config_groups") or {}
+        if top not in {f for f, _, _ in self.CT_FORMATS} | {"mixed-precision"}:
+            raise CheckpointError(
+                f"{cfg_path}: quantization_config.format is {top!r}; the engine reads "
+                "compressed-tensors checkpoints in 'float-quantized' (FP8) and "
+                "'nvfp4-pack-quantized' (NVFP4) formats, or 'mixed-precision' of those")
+        if top == "mixed-precision" and not groups:
+            raise CheckpointError(f"{cfg_path}: quantization_config.format is 'mixed-precision' "
+                                  "but config_groups is empty: nothing says each group's format")
+        for gname, g in groups.items():
+            w = g.get("weights") or {}
+            fmt = g.get("format") or top
+            kind = self.CT_FORMATS.get((fmt, w.get("num_bits"), w.get("type")))
+            if kind is None:
+                raise CheckpointError(
+                    f"{cfg_path}: quantization_config.config_groups.{gname}.weights is "
+                    f"{w.get('num_bits')}-bit {w.get('type')} ({fmt}); the engine reads "
+                    "compressed-tensors checkpoints with FP8 (8-bit float) weights or NVFP4 "
+                    "(4-bit float, 'nvfp4-pack-quantized') weights only")
+            if kind == "NVFP4" and w.get("group_size") not in (None, NVFP4_GROUP):
+                raise CheckpointError(
+                    f"{cfg_path}: quantization_config.config_groups.{gname}.weights.group_size "
+                    f"is {w.get('group_size')}; NVFP4 has one scale a {NVFP4_GROUP} values")
+            if w.get("strategy") == "block":
+                block = w.get("block_structure")
+        return block
 
     def _find_fp8(self, declared) -> None:
         """Register each FP8 weight (it then reads as bf16) and hide its scale tensor (and a

@@ -1,8 +1,9 @@
 """NVFP4 checkpoints in ModelOpt's layout (uint8 `weight` of packed E2M1 pairs, F8_E4M3
-`weight_scale` a 16 values, float32 `weight_scale_2`): read directly and packed, against
-transformers on the same weights dequantized by torch (transformers has no ModelOpt reader
-without a GPU); packed into an nvfp4 arena the checkpoint's bytes are kept as they are; bad
-NVFP4 input refused by name."""
+`weight_scale` a 16 values, float32 `weight_scale_2` multiplying) and in compressed-tensors'
+("nvfp4-pack-quantized": `weight_packed`, `weight_scale`, `weight_global_scale` dividing): read
+directly and packed, against transformers on the same weights dequantized by torch
+(transformers reads neither without a GPU or the compressed-tensors package); packed into an
+nvfp4 arena the checkpoint's bytes are kept as they are; bad NVFP4 input refused by name."""
 from __future__ import annotations
 
 import json
@@ -25,33 +26,54 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
-def write_nvfp4(src, dst, drop=None):
-    """The float32 checkpoint in src as a ModelOpt NVFP4 checkpoint in dst (drop: a tensor name
-    left out)."""
+# layout -> (suffix of the values, of the global scale, the quantization_config)
+LAYOUTS = {
+    "modelopt": ("", "_scale_2", {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                  "group_size": 16, "exclude_modules": ["lm_head"]}),
+    "compressed-tensors": ("_packed", "_global_scale", {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                        "group_size": 16, "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                  "group_size": 16, "dynamic": "local"}}},
+        "ignore": ["lm_head", "re:.*mlp.gate$"]}),
+}
+SIDE = ("_scale", "_scale_2", "_global_scale", "input_scale", "input_global_scale")
+
+
+def write_nvfp4(src, dst, drop=None, layout="modelopt"):
+    """The float32 checkpoint in src as an NVFP4 checkpoint in dst in the layout named (drop: a
+    tensor name left out). compressed-tensors stores the global scale's reciprocal and divides
+    by it, as its own dequantize does."""
+    vals, glob, qc = LAYOUTS[layout]
     dst.mkdir()
     out = {}
     for name, w in load_file(src / "model.safetensors").items():
         if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
             q, s, g = quantize_nvfp4(w.numpy(), name)
-            out[name] = torch.from_numpy(q)
+            out[name + vals] = torch.from_numpy(q)
             out[name + "_scale"] = torch.from_numpy(s).view(torch.float8_e4m3fn)
-            out[name + "_scale_2"] = torch.tensor(np.float32(g))
-            out[name[:-len("weight")] + "input_scale"] = torch.tensor(0.01)
+            inv = layout == "compressed-tensors"
+            out[name + glob] = torch.tensor([np.float32(1) / np.float32(g)] if inv else np.float32(g))
+            out[name[:-len("weight")] + ("input_global_scale" if inv else "input_scale")] = \
+                torch.tensor([100.0] if inv else 0.01)
         else:
             out[name] = w.to(torch.bfloat16)
     for n in [drop] if drop else []:
         del out[n]
     save_file(out, dst / "model.safetensors")
-    copy_config(src, dst, dtype="bfloat16",
-                quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4",
-                                     "group_size": 16, "exclude_modules": ["lm_head"]})
+    copy_config(src, dst, dtype="bfloat16", quantization_config=qc)
 
 
-def torch_dequant(q, s, g):
-    """An independent oracle: E2M1 pairs (low nibble first) * E4M3 scale a 16 * global."""
+def torch_dequant(q, s, g, divide=False):
+    """An independent oracle: E2M1 pairs (low nibble first) * E4M3 scale a 16, times the global
+    scale (ModelOpt) or over it (compressed-tensors)."""
     q = q.to(torch.int64)
     vals = torch.stack([E2M1[q & 0xF], E2M1[q >> 4]], dim=-1).reshape(q.shape[0], -1)
-    return vals * s.float().repeat_interleave(16, 1) * g.float()
+    scale = s.float().repeat_interleave(16, 1)
+    return vals * (scale / g.float() if divide else scale * g.float())
 
 
 def dequantized_copy(src, dst, exact_experts=False):
@@ -61,21 +83,24 @@ def dequantized_copy(src, dst, exact_experts=False):
     raw = load_file(src / "model.safetensors")
     out = {}
     for name, t in raw.items():
-        if name.endswith(("_scale", "_scale_2", "input_scale")):
+        if name.endswith(SIDE):
             continue
         if t.dtype == torch.uint8:
-            t = torch_dequant(t, raw[name + "_scale"], raw[name + "_scale_2"])
+            ct = name.endswith("_packed")
+            name = name.removesuffix("_packed")
+            t = torch_dequant(t, raw[name + "_scale"],
+                              raw[name + ("_global_scale" if ct else "_scale_2")], divide=ct)
             t = t if exact_experts and ".experts." in name else t.to(torch.bfloat16)
         out[name] = t
     save_file(out, dst / "model.safetensors")
     copy_config(src, dst, quantization_config=None)
 
 
-@pytest.fixture(scope="module")
-def nvfp4_model(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def nvfp4_model(tmp_path_factory, request):
     base = tmp_path_factory.mktemp("nvfp4")
     build_hf_model(base / "f32", "qwen3_moe")
-    write_nvfp4(base / "f32", base / "nvfp4")
+    write_nvfp4(base / "f32", base / "nvfp4", layout=request.param)
     dequantized_copy(base / "nvfp4", base / "bf16")
     dequantized_copy(base / "nvfp4", base / "exact", exact_experts=True)
     import transformers as tf
@@ -87,8 +112,7 @@ def nvfp4_model(tmp_path_factory):
 def test_nvfp4_checkpoint_matches_transformers(nvfp4_model):
     path, ref, _ = nvfp4_model
     ck = Checkpoint(path)
-    assert ck.nvfp4 and not any(n.endswith(("_scale", "_scale_2", "input_scale"))
-                                for n in ck.tensors)
+    assert ck.nvfp4 and not any(n.endswith(SIDE + ("_packed",)) for n in ck.tensors)
     name = "model.layers.0.self_attn.o_proj.weight"
     assert ck.info(name).shape == (48, 64) and ck.get(name).shape == (48, 64)
     check_against(ref, engine.load(path, device="cpu"))
@@ -99,7 +123,8 @@ def test_nvfp4_packed_keeps_the_bytes(nvfp4_model, tmp_path):
     path, _, ref = nvfp4_model
     dst = tmp_path / "packed"
     manifest = pack(path, dst, experts="nvfp4", progress=False)
-    assert manifest["source_quantization"]["quant_algo"] == "NVFP4"
+    assert manifest["source_quantization"] == json.loads((path / "config.json").read_text())[
+        "quantization_config"]
     ck = Checkpoint(path)
     layout = ExpertLayout.build("nvfp4", 48, 32)
     raw = np.fromfile(dst / ARENA_NAME, np.uint8)
@@ -152,4 +177,46 @@ def test_nvfp4_errors(tmp_path):
     cfg["quantization_config"]["quant_algo"] = "W4A8_AWQ"
     (tmp_path / "noglobal" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="quant_algo is 'W4A8_AWQ'"):
+        Checkpoint(tmp_path / "noglobal")
+
+
+def test_compressed_tensors_nvfp4_errors(tmp_path):
+    build_hf_model(tmp_path / "f32", "qwen3_moe")
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    write_nvfp4(tmp_path / "f32", tmp_path / "noglobal", drop=name + "_global_scale",
+                layout="compressed-tensors")
+    with pytest.raises(CheckpointError, match=f"NVFP4 tensor {name}_packed needs "
+                                              f"{name}_global_scale.*missing"):
+        Checkpoint(tmp_path / "noglobal")
+
+    write_nvfp4(tmp_path / "f32", tmp_path / "ct", layout="compressed-tensors")
+    ck = Checkpoint(tmp_path / "ct")
+    assert name in ck.nvfp4 and ck.info(name).shape == (32, 48)
+    raw = load_file(tmp_path / "ct" / "model.safetensors")
+    q, s, g = ck.nvfp4_parts(name)   # the arena's global multiplies: the stored one's reciprocal
+    assert np.float32(g) == np.float32(1) / raw[name + "_global_scale"].numpy()[0]
+    raw[name + "_global_scale"] = torch.tensor([0.0])
+    save_file(raw, tmp_path / "ct" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{name}_global_scale is 0.0, expected a finite "
+                                              "non-zero global scale"):
+        Checkpoint(tmp_path / "ct").nvfp4_parts(name)
+
+    cfg = json.loads((tmp_path / "noglobal" / "config.json").read_text())
+    group = cfg["quantization_config"]["config_groups"]["group_0"]
+    group["weights"]["group_size"] = 32
+    (tmp_path / "noglobal" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="group_0.weights.group_size is 32; NVFP4 has one "
+                                              "scale a 16 values"):
+        Checkpoint(tmp_path / "noglobal")
+    group["weights"].update(group_size=128, type="int")   # W4A16 int4 in the nvfp4 format
+    (tmp_path / "noglobal" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"group_0.weights is 4-bit int "
+                                              r"\(nvfp4-pack-quantized\)"):
+        Checkpoint(tmp_path / "noglobal")
+    # a mixed-precision checkpoint reads each group by its own format
+    cfg["quantization_config"]["format"] = "mixed-precision"
+    group["weights"].update(group_size=16, type="float")
+    group["format"] = "nvfp4-pack-quantized"
+    (tmp_path / "noglobal" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"{name}_global_scale"):   # past the config
         Checkpoint(tmp_path / "noglobal")
