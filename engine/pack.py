@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-from engine.models import NO_ARENA, family_of
+from engine.models import family_of
 from engine.names import expert_names
 from loader.arena import ARENA_NAME, ArenaError, ArenaFile, write_arena
 from loader.checkpoint import Checkpoint, CheckpointError
 from loader.layout import FORMATS, ExpertLayout
-from loader.quant import MATRICES
+from loader.quant import MATRICES, nvfp4_from_mxfp4
 from loader.st_write import write_safetensors
 
 MANIFEST = "manifest.json"
@@ -48,9 +48,6 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
     ck = Checkpoint(src)
     fam = family_of(ck.config)
     c = fam.config
-    if c.family in NO_ARENA:
-        raise PackError(f"{ck.dir}: {c.family} cannot be packed: {NO_ARENA[c.family]}; "
-                        "run the checkpoint folder as it is (--device cpu)")
     ck.require(fam.dense_spec)
     ck.require(fam.expert_spec)
     ck.tokenizer_path()
@@ -66,11 +63,21 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
                           metadata={"source": str(ck.dir)})
         layout = ExpertLayout.build(experts, c.hidden, c.moe_intermediate)
 
+        requantized = []   # MXFP4 experts whose scales NVFP4 cannot hold exactly
+
         def get_expert(layer, e):
             names = expert_names(c.family, layer, e)
             if experts == "nvfp4" and all(n in ck.nvfp4 for n in names):
                 # an NVFP4 checkpoint's bytes are the arena's: copied, not re-quantized
                 return {m: ck.nvfp4_parts(n) for m, n in zip(MATRICES, names)}
+            if experts == "nvfp4" and all(n in ck.derived for n in names):
+                # MXFP4 (gpt-oss): the same E2M1 bytes, each power-of-two scale re-expressed
+                mx = [ck.mxfp4_parts(n) for n in names]
+                parts = [None if p is None else nvfp4_from_mxfp4(*p) for p in mx]
+                if all(p is not None for p in parts):
+                    return dict(zip(MATRICES, parts))
+                if all(p is not None for p in mx):
+                    requantized.append((layer, e))
             return tuple(ck.get_f32(n) for n in names)
 
         records = write_arena(tmp / ARENA_NAME, experts, layout, c.n_layers, c.n_experts, get_expert,
@@ -101,7 +108,7 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
                  for n in dense})},
             "source": str(ck.dir),
         }
-        if ck.fp8 or ck.nvfp4:
+        if ck.fp8 or ck.nvfp4 or "quantization_config" in ck.config:
             manifest["source_quantization"] = ck.config.get(
                 "quantization_config", {"quant_method": "nvfp4" if ck.nvfp4 else "fp8"})
         # the manifest is written last: a folder without one is not a packed model
@@ -118,6 +125,10 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
         raise
     dt = time.perf_counter() - t0
     arena_bytes = (dst / ARENA_NAME).stat().st_size
+    if requantized:   # said even without progress: the arena is not the release's bytes there
+        print(f"{ck.dir}: {len(requantized)} MXFP4 expert(s) (first: layer {requantized[0][0]}, "
+              f"expert {requantized[0][1]}) hold scales more than 17 binades apart, which NVFP4 "
+              "cannot keep exactly: re-quantized from their values", file=sys.stderr)
     if progress:
         print(f"packed {len(records)} expert blocks ({experts}, {arena_bytes / 1e9:.2f} GB arena) "
               f"+ {len(dense)} dense tensors into {dst} in {dt:.1f} s "

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from engine.affinity import pin_current_thread, plan_cores
-from engine.models import CPU_ONLY, NO_ARENA, family_of
+from engine.models import CPU_ONLY, family_of
 from engine.names import expert_names, name
 from engine.prefix import PrefixStore, usable
 from engine.tokenizer import StreamDecoder, load_tokenizer
@@ -306,8 +306,7 @@ class Engine:
             if built:
                 kind = ("NVFP4" if ck.nvfp4 else "FP8" if ck.fp8 else
                         "MXFP4" if any(d[3] is not None for d in ck.derived.values()) else "fused")
-                hint = ("" if c.family in NO_ARENA else
-                        f"; pack the folder once for speed (python -m engine.pack {ck.dir} DST)")
+                hint = f"; pack the folder once for speed (python -m engine.pack {ck.dir} DST)"
                 print(f"{ck.dir}: {kind} experts are built when first read and kept in a RAM "
                       f"cache of {budget / 1e9:.1f} GB (--ram-gb){hint}", file=sys.stderr)
         self.max_context = int(max_context or min(c.max_position, 4096))

@@ -414,25 +414,43 @@ def _row_dot(fmt, block, q_off, s_off, gscale, r, k, kp, x, e2m1, e4m3):
 ROWS_A_TASK = 16   # rows a parallel task decodes (its scratch rows are allocated once a task)
 
 
+@njit(inline="always")
+def _glu(clamped, g, u, alpha, limit):
+    """The expert's activation of one gate / up pair: SwiGLU, or gpt-oss's clamped form (the
+    gate clamped from above, up to +-limit, (u + 1) * g * sigmoid(alpha g))."""
+    if not clamped:
+        return g / (np.float32(1.0) + math.exp(-g)) * u
+    g = min(g, limit)
+    u = min(max(u, -limit), limit)
+    return (u + np.float32(1.0)) * g / (np.float32(1.0) + math.exp(-alpha * g))
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=FM)
-def expert_block_swiglu(fmt, block, lay, x, out, e2m1, e4m3):
+def expert_block_mlp(fmt, block, lay, x, out, e2m1, e4m3, clamped, bias, alpha, limit):
     """One expert from its block over tokens: x [T, H] f32 -> out [T, H] f32.
 
-    fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). One token: each row is dotted
-    with it as it is read (_row_dot). More: each row is decoded once into a float32 scratch row,
-    then dotted with every token's input (a 16-token group 3x faster in fp8 and NVFP4; one token
-    2.2x slower in bf16 and 1.3x in fp8 that way, on the CPU machine)."""
+    fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). clamped: gpt-oss's activation
+    (_glu) with alpha and limit; bias f32 [2I + H] (gate, up, down biases) or empty. One token:
+    each row is dotted with it as it is read (_row_dot). More: each row is decoded once into a
+    float32 scratch row, then dotted with every token's input (a 16-token group 3x faster in fp8
+    and NVFP4; one token 2.2x slower in bf16 and 1.3x in fp8 that way, on the CPU machine)."""
     h, i_dim, hp, ip = lay[6], lay[7], lay[8], lay[9]
     gs = block[0:12].view(np.float32)
     t = x.shape[0]
+    biased = bias.shape[0] > 0
+    alpha, limit = np.float32(alpha), np.float32(limit)
     act = np.empty((t, i_dim), dtype=np.float32)
     if t == 1:
         for idx in prange(i_dim):
             g = _row_dot(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, x[0], e2m1, e4m3)
             u = _row_dot(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, x[0], e2m1, e4m3)
-            act[0, idx] = g / (np.float32(1.0) + math.exp(-g)) * u
+            if biased:
+                g += bias[idx]
+                u += bias[i_dim + idx]
+            act[0, idx] = _glu(clamped, g, u, alpha, limit)
         for r in prange(h):
-            out[0, r] = _row_dot(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, act[0], e2m1, e4m3)
+            o = _row_dot(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, act[0], e2m1, e4m3)
+            out[0, r] = o + bias[2 * i_dim + r] if biased else o
         return
     for c in prange((i_dim + ROWS_A_TASK - 1) // ROWS_A_TASK):
         bg = np.empty(h, dtype=np.float32)
@@ -440,16 +458,18 @@ def expert_block_swiglu(fmt, block, lay, x, out, e2m1, e4m3):
         for idx in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, i_dim)):
             _decode_row(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, bg)
             _decode_row(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, bu)
+            gb = bias[idx] if biased else np.float32(0.0)
+            ub = bias[i_dim + idx] if biased else np.float32(0.0)
             for ti in range(t):
-                g = _dot(bg, x[ti], h)
-                u = _dot(bu, x[ti], h)
-                act[ti, idx] = g / (np.float32(1.0) + math.exp(-g)) * u
+                act[ti, idx] = _glu(clamped, _dot(bg, x[ti], h) + gb, _dot(bu, x[ti], h) + ub,
+                                    alpha, limit)
     for c in prange((h + ROWS_A_TASK - 1) // ROWS_A_TASK):
         bd = np.empty(i_dim, dtype=np.float32)
         for r in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, h)):
             _decode_row(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, bd)
+            db = bias[2 * i_dim + r] if biased else np.float32(0.0)
             for ti in range(t):
-                out[ti, r] = _dot(bd, act[ti], i_dim)
+                out[ti, r] = _dot(bd, act[ti], i_dim) + db
 
 
 # ---- sampling --------------------------------------------------------------------------------
@@ -556,6 +576,12 @@ def sample_logits(logits, temperature, top_k, top_p, u):
 
 FMT_CODE = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 _NO_SINKS = np.zeros(0, dtype=np.float32)
+_NO_BIAS = np.zeros(0, dtype=np.float32)
+
+
+def _is_block(weights) -> bool:
+    """(fmt, block, layout): an expert as its arena block, not dense (gate, up, down)."""
+    return len(weights) == 3 and isinstance(weights[0], str)
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
@@ -668,20 +694,29 @@ class CpuOps:
 
         weights is (gate, up, down) dense arrays, or (fmt, block uint8, layout int64 [10]).
         """
-        if len(weights) == 3 and isinstance(weights[0], str):
-            fmt, block, lay = weights
-            out = np.empty(x.shape, dtype=np.float32)
-            expert_block_swiglu(FMT_CODE[fmt], block, lay, np.ascontiguousarray(x), out, E2M1, E4M3)
-            return out
+        if _is_block(weights):
+            return self._block_mlp(x, weights, False, _NO_BIAS, 0.0, 0.0)
         gate, up, down = weights
         g = self.linear(x, gate)
         u = self.linear(x, up)
         a = g / (1.0 + np.exp(-g)) * u
         return self.linear(a.astype(np.float32), down)
 
+    @staticmethod
+    def _block_mlp(x, weights, clamped, bias, alpha, limit):
+        fmt, block, lay = weights
+        out = np.empty(x.shape, dtype=np.float32)
+        expert_block_mlp(FMT_CODE[fmt], block, lay, np.ascontiguousarray(x, dtype=np.float32),
+                         out, E2M1, E4M3, clamped, bias, alpha, limit)
+        return out
+
     def expert_clamped(self, x: np.ndarray, weights, biases, alpha: float, limit: float):
-        """gpt-oss's expert over its tokens: x [n, H] -> [n, H]. weights (gate, up, down) dense;
-        biases f32 (gate [I], up [I], down [H]). reference.gpt_oss_expert."""
+        """gpt-oss's expert over its tokens: x [n, H] -> [n, H]. weights (gate, up, down) dense,
+        or (fmt, block, layout) as expert() takes; biases f32 (gate [I], up [I], down [H]).
+        reference.gpt_oss_expert."""
+        if _is_block(weights):
+            bias = np.concatenate([np.asarray(b, dtype=np.float32).reshape(-1) for b in biases])
+            return self._block_mlp(x, weights, True, bias, alpha, limit)
         gate, up, down = weights
         g = self.linear(x, gate)
         g += biases[0]

@@ -226,6 +226,19 @@ class Checkpoint:
             raise CheckpointError(f"{sc.file}: {sc.name}: {bad} NaN E4M3 scale(s)")
         return q, s, gv
 
+    def mxfp4_parts(self, name: str) -> tuple | None:
+        """A gpt-oss expert matrix stored in MXFP4, as stored: (blocks uint8 [N, K / 32, 16],
+        E8M0 scales uint8 [N, K / 32]), NaN scales refused; None for any other tensor."""
+        src, e, col, sc = self.derived.get(name, (None, None, None, None))
+        if sc is None:
+            return None
+        a, s = self._stored(src)[e], self._stored(sc)[e]
+        if col is not None:
+            a, s = a[col::2], s[col::2]
+        if np.any(s == 0xFF):
+            raise CheckpointError(f"{sc.file}: {sc.name}: NaN E8M0 scale(s) (0xFF) in expert {e}")
+        return np.ascontiguousarray(a), np.ascontiguousarray(s)
+
     def _quant_config(self, cfg_path: Path) -> list | None:
         """Refuses the quantization methods and formats the engine does not read; returns the
         declared FP8 block shape (None: derive it from each scale tensor's grid)."""
@@ -452,13 +465,7 @@ class Checkpoint:
             a = self._stored(src)[e]
             if sc is not None:   # MXFP4, [N, K] already: its rows, dequantized
                 from loader.quant import dequant_mxfp4, f32_to_bf16
-                s = self._stored(sc)[e]
-                if col is not None:
-                    a, s = a[col::2], s[col::2]
-                if np.any(s == 0xFF):
-                    raise CheckpointError(f"{sc.file}: {sc.name}: NaN E8M0 scale(s) (0xFF) "
-                                          f"in expert {e}")
-                return f32_to_bf16(dequant_mxfp4(a, s))
+                return f32_to_bf16(dequant_mxfp4(*self.mxfp4_parts(name)))
             if col is not None:
                 a = a[..., col::2]
             return np.ascontiguousarray(a.T)

@@ -200,6 +200,32 @@ def dequant_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
         return np.ldexp(vals, scales.astype(np.int32)[..., None] - 127).reshape(r, g * 2 * b)
 
 
+E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8   # the powers of two E4M3 holds (2^-9: its least subnormal)
+
+
+def nvfp4_from_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> tuple | None:
+    """MXFP4 (blocks uint8 [R, G, 16], E8M0 scales uint8 [R, G], one a 32 values) re-expressed
+    exactly as NVFP4 (q uint8 [R, 16 G], E4M3 scales uint8 [R, 2 G], global scale): the E2M1
+    bytes are the same (element 2j in the low nibble of byte j); each power-of-two scale becomes
+    an E4M3 power of two times one global power of two, the largest scale at 2^8. None when a
+    group holding a non-zero value lies more than 17 binades under the largest (E4M3 holds
+    2^-9 .. 2^8): then only re-quantizing can store it."""
+    r, g, _ = blocks.shape
+    nonzero = ((blocks & 0x77) != 0).any(axis=2)                   # [R, G] any |value| > 0
+    if not nonzero.any():
+        return blocks.reshape(r, 16 * g).copy(), np.zeros((r, 2 * g), np.uint8), 1.0
+    e = scales.astype(np.int32)
+    emax = int(e[nonzero].max())
+    p = e - emax + E4M3_POW2_MAX                                    # [R, G] E4M3 power of two
+    if int(p[nonzero].min()) < E4M3_POW2_MIN:
+        return None
+    pc = np.clip(p, -6, E4M3_POW2_MAX)
+    code = np.where(p >= -6, (pc + 7) << 3, 1 << np.clip(p + 9, 0, 2))   # subnormals: 1, 2, 4
+    code = np.where(nonzero, code, 0).astype(np.uint8)             # a group of zeros: scale 0
+    gscale = float(np.ldexp(np.float32(1.0), emax - 127 - E4M3_POW2_MAX))
+    return blocks.reshape(r, 16 * g).copy(), np.repeat(code, 2, axis=1), gscale
+
+
 def quantize_fp8(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
     """w float32 [R, K] -> (q uint8 [R, K] E4M3 FN bits, s float32 [R]); dequant = q * s[r]."""
     w = _as_f32_matrix(w, name)

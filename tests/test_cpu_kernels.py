@@ -104,6 +104,31 @@ def test_expert_clamped(limit, alpha):
     assert rel(ops.expert_clamped(x, wb, (gb, ub, db), alpha, limit), want) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("t", [1, 5])
+def test_expert_block_swiglu_and_clamped(fmt, t):
+    """An expert read from its arena block (each format; one token takes the direct path, more
+    the decoded-row path): SwiGLU, and gpt-oss's clamped form with biases, against the oracles
+    on the block's decoded weights. H = 40 pads NVFP4 rows."""
+    from loader.layout import ExpertLayout
+    from loader.quant import decode_expert_block, encode_expert_block
+    h, i, limit, alpha = 40, 24, 1.2, 1.702
+    lay = ExpertLayout.build(fmt, h, i)
+    w = [rng.standard_normal(s).astype(np.float32) * 0.5 for s in ((i, h), (i, h), (h, i))]
+    block = encode_expert_block(fmt, lay, *w)
+    dg, du, dd = decode_expert_block(block, lay)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    gb, ub = (rng.standard_normal(i).astype(np.float32) for _ in range(2))
+    db = rng.standard_normal(h).astype(np.float32)
+    ops = cpu.CpuOps()
+    weights = (fmt, block, lay.as_array())
+    assert rel(ops.expert(x, weights), ref.swiglu_expert(x, dg, du, dd)) < 1e-5
+    want = ref.gpt_oss_expert(x, dg, du, dd, gb, ub, db, alpha, limit)
+    assert rel(ops.expert_clamped(x, weights, (gb, ub, db), alpha, limit), want) < 1e-5
+    # the clamps bite and the biases count: the plain activation is far from it
+    assert rel(ref.gpt_oss_expert(x, dg, du, dd, gb, ub, db, alpha, 1e9), want) > 1e-2
+
+
 @pytest.mark.parametrize("e,k,norm", [(8, 1, False), (8, 2, True), (16, 16, False), (5, 3, True)])
 def test_router_topk(e, k, norm):
     logits = rng.standard_normal((6, e)).astype(np.float32) * 2

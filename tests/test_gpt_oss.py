@@ -1,5 +1,6 @@
 """gpt-oss beyond parity (tests/test_parity.py): the cpu backend only, by name; config refusals;
-the per-expert copies of its fused, transposed expert tensors."""
+the per-expert copies of its fused, transposed expert tensors; packed arenas (bf16, fp8, NVFP4,
+and MXFP4 experts kept exactly in NVFP4) against transformers."""
 from __future__ import annotations
 
 import json
@@ -28,12 +29,77 @@ def test_cuda_refused_auto_picks_cpu(tiny, capfd):
     assert "device auto: using cpu (the cuda backend does not run gpt_oss" in capfd.readouterr().err
 
 
-def test_pack_refused(tiny, tmp_path):
-    from engine.pack import PackError, pack
+def fused_from_arena(ref, packed):
+    """ref (a transformers gpt-oss) with each expert's gate / up / down replaced by what the
+    packed arena holds, decoded, written back into the fused transposed tensors."""
+    import torch
+
+    from loader.arena import ArenaFile
+    from loader.quant import decode_expert_block
+    arena = ArenaFile.from_manifest(json.loads((packed / "manifest.json").read_text()), packed)
+    with torch.no_grad():
+        for rec in arena.records:
+            l, e = rec["layer"], rec["expert"]
+            g, u, d = decode_expert_block(arena.read_block(l, e), arena.layout)
+            ex = ref.model.layers[l].mlp.experts
+            ex.gate_up_proj[e, :, 0::2] = torch.from_numpy(g.T)
+            ex.gate_up_proj[e, :, 1::2] = torch.from_numpy(u.T)
+            ex.down_proj[e] = torch.from_numpy(d.T)
+    arena.close()
+    return ref
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_packed_matches_transformers(tiny, tmp_path, fmt):
+    """Packed into each arena format (biases and sinks with the dense weights), against
+    transformers holding the arena's decoded experts; bf16 keeps the float32 checkpoint's
+    tokens to within bf16 (so the reference there is the checkpoint itself, rounded)."""
+    from conftest import check_against, hf_reference
+    from engine.pack import pack
     d, _ = tiny
-    with pytest.raises(PackError, match="gpt_oss cannot be packed: its expert biases"):
-        pack(d, tmp_path / "packed", experts="bf16", progress=False)
-    assert not (tmp_path / "packed").exists()
+    man = pack(d, tmp_path / "packed", experts=fmt, progress=False)
+    assert man["model_type"] == "gpt_oss" and man["experts"]["format"] == fmt
+    m = engine.load(tmp_path / "packed", device="cpu")
+    assert m.device == "cpu"
+    check_against(fused_from_arena(hf_reference(d), tmp_path / "packed"), m)
+
+
+def test_mxfp4_packed_into_nvfp4_exactly(tmp_path):
+    """An MXFP4 checkpoint packed with --experts nvfp4 keeps its E2M1 bytes, and every expert
+    decodes to exactly transformers' dequantized weights (so the arena model matches the
+    unpacked one); scales more than 17 binades apart cannot be kept so."""
+    from conftest import check_against
+    from engine.names import expert_names
+    from engine.pack import pack
+    from loader.quant import dequant_mxfp4, nvfp4_from_mxfp4
+    src = tmp_path / "mxfp4"
+    ref, _ = write_mxfp4_model(tmp_path, src, np.random.default_rng())
+    man = pack(src, tmp_path / "packed", experts="nvfp4", progress=False)
+    assert man["source_quantization"] == {"quant_method": "mxfp4"}
+    ck = Checkpoint(src)
+    from loader.arena import ArenaFile
+    from loader.quant import decode_expert_block
+    arena = ArenaFile.from_manifest(man, tmp_path / "packed")
+    for rec in arena.records:
+        l, e = rec["layer"], rec["expert"]
+        for n, got in zip(expert_names("gpt_oss", l, e),
+                          decode_expert_block(arena.read_block(l, e), arena.layout)):
+            blocks, scales = ck.mxfp4_parts(n)
+            assert np.array_equal(got, dequant_mxfp4(blocks, scales)), (l, e, n)
+    arena.close()
+    check_against(ref, engine.load(tmp_path / "packed", device="cpu"))
+
+    rng = np.random.default_rng()
+    blocks, scales = random_mxfp4(rng, 1, 6, 64, 118, 126)
+    scales[0, :, 0] = 126
+    scales[0, 2, 1], scales[0, 3, 1] = 100, 109          # 26 binades under the largest; 17
+    blocks[0, 2, 1, 0] = blocks[0, 3, 1, 0] = 0x61       # non-zero values in both groups
+    assert nvfp4_from_mxfp4(blocks[0], scales[0]) is None
+    blocks[0, 2, 1] = 0                                  # all zeros: any scale will do
+    q, s, g = nvfp4_from_mxfp4(blocks[0], scales[0])
+    assert s[3, 2] == 0x01                               # 2^-9, E4M3's least subnormal
+    from loader.quant import dequant_nvfp4
+    assert np.array_equal(dequant_nvfp4(q, s, g, 64), dequant_mxfp4(blocks[0], scales[0]))
 
 
 def test_expert_copies_match_the_fused_tensors(tiny):
@@ -92,19 +158,18 @@ def test_mxfp4_dequant_matches_transformers():
     assert np.array_equal(got, bf.float().numpy().transpose(0, 2, 1))   # exact in bf16 too
 
 
-def test_mxfp4_checkpoint_matches_transformers(tmp_path):
-    """A tiny model with its experts in MXFP4 (random blocks and scales) against transformers
-    holding convert_moe_packed_tensors' weights; a NaN scale is refused by name."""
+def write_mxfp4_model(tmp_path, dst, rng):
+    """A tiny gpt-oss with its experts in MXFP4 (random blocks, scales 2^-5 .. 2^-1) in dst;
+    returns transformers holding convert_moe_packed_tensors' weights of them."""
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from conftest import check_against, copy_config, hf_reference
+    from conftest import copy_config, hf_reference
     from loader.st_write import write_safetensors
     src = tmp_path / "f32"
     hf = build_hf_model(src, "gpt_oss", hidden_size=64, intermediate_size=32)   # K: 32s
     c = hf.config
     e, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
-    rng = np.random.default_rng()
     tensors = {n: p.detach().numpy() for n, p in hf.state_dict().items()
                if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     ref = hf_reference(src)
@@ -117,10 +182,19 @@ def test_mxfp4_checkpoint_matches_transformers(tmp_path):
                                            dtype=torch.float32)
             with torch.no_grad():
                 getattr(layer.mlp.experts, proj).copy_(w)
-    dst = tmp_path / "mxfp4"
     dst.mkdir()
     write_safetensors(dst / "model.safetensors", tensors)
     copy_config(src, dst, quantization_config={"quant_method": "mxfp4"})
+    return ref, tensors
+
+
+def test_mxfp4_checkpoint_matches_transformers(tmp_path):
+    """A tiny model with its experts in MXFP4 (random blocks and scales) against transformers
+    holding convert_moe_packed_tensors' weights; a NaN scale is refused by name."""
+    from conftest import check_against
+    from loader.st_write import write_safetensors
+    dst = tmp_path / "mxfp4"
+    ref, tensors = write_mxfp4_model(tmp_path, dst, np.random.default_rng())
     check_against(ref, engine.load(dst, device="cpu"))
 
     tensors["model.layers.2.mlp.experts.down_proj_scales"][1, 5, 0] = 0xFF
