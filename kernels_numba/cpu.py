@@ -17,21 +17,6 @@ from kernels_numba.cpu_deltanet import DeltaNetOps
 
 # ---- number formats --------------------------------------------------------------------------
 
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
-
-
-def _e4m3_table() -> np.ndarray:
-    b = np.arange(256, dtype=np.int32)
-    exp, man = (b >> 3) & 0xF, b & 0x7
-    val = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1.0 + man / 8.0) * 2.0 ** (exp - 7.0))
-    val = np.where((exp == 0xF) & (man == 0x7), np.nan, val)
-    return (np.where(b & 0x80, -val, val)).astype(np.float32)
-
-
-E4M3 = _e4m3_table()
-
-
 @njit(inline="always")
 def _bf16(bits):
     # bfloat16 bits -> float32: the high half of an IEEE float32
@@ -308,36 +293,31 @@ def _e2m1(c):
     return -f if np.uint32(c) & np.uint32(8) else f
 
 
+# Every row loop below reads its row through a slice (a view): indexing the block itself with
+# a computed offset makes numba test each index for wraparound, which stops LLVM vectorizing
+# the loop (the E4M3 row dot 10x, the E2M1 one 6x slower on the CPU machine); and values are
+# decoded from their bits (_e2m1, _e4m3), not gathered from a table, for the same reason.
+
 @njit(inline="always")
 def _decode_row(fmt, block, q_off, s_off, gscale, r, k, kp, buf):
-    """Row r of one of a block's matrices -> buf[:k] float32, its scales applied.
+    """Row r of one of a block's matrices -> buf[:k] float32 (buf holds kp), its scales applied.
     fmt 2 NVFP4 (row stride kp/2 bytes, a scale each 16 values), 1 FP8 (a float32 scale a row),
     0 bf16. A row is decoded once for all the tokens that use it."""
     if fmt == 2:
-        qrow = q_off + r * (kp // 2)
-        srow = s_off + r * (kp // 16)
-        if k == kp:   # no padded columns: no bounds test a value
-            for g in range(kp // 16):
-                sc = _e4m3(block[srow + g]) * gscale
-                for b in range(8):
-                    byte = block[qrow + g * 8 + b]
-                    buf[g * 16 + 2 * b] = _e2m1(byte & 0xF) * sc
-                    buf[g * 16 + 2 * b + 1] = _e2m1(byte >> 4) * sc
-            return
+        qr = block[q_off + r * (kp // 2):q_off + (r + 1) * (kp // 2)]
+        sr = block[s_off + r * (kp // 16):s_off + (r + 1) * (kp // 16)]
+        for j in range(kp // 2):   # padded columns hold code 0: buf[k:kp] = 0, never read
+            buf[2 * j] = _e2m1(qr[j] & 0xF)
+            buf[2 * j + 1] = _e2m1(qr[j] >> 4)
         for g in range(kp // 16):
-            sc = _e4m3(block[srow + g]) * gscale
-            for b in range(8):
-                j = g * 16 + 2 * b
-                byte = block[qrow + j // 2]
-                if j < k:
-                    buf[j] = _e2m1(byte & 0xF) * sc
-                if j + 1 < k:
-                    buf[j + 1] = _e2m1(byte >> 4) * sc
+            sc = _e4m3(sr[g]) * gscale
+            for b in range(16):
+                buf[g * 16 + b] *= sc
     elif fmt == 1:
-        qrow = q_off + r * k
+        qr = block[q_off + r * k:q_off + (r + 1) * k]
         sc = block[s_off + 4 * r:s_off + 4 * r + 4].view(np.float32)[0]
         for j in range(k):
-            buf[j] = _e4m3(block[qrow + j]) * sc
+            buf[j] = _e4m3(qr[j]) * sc
     else:
         # the row's bytes seen as uint16 (little-endian bf16 bits)
         row = block[q_off + 2 * r * k:q_off + 2 * (r + 1) * k].view(np.uint16)
@@ -354,47 +334,38 @@ def _dot(a, b, k):
 
 
 @njit(inline="always")
-def _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, e2m1, e4m3):
-    """dot(row r of an NVFP4 matrix, x[:k]); row stride kp/2 bytes, kp/16 scales."""
-    qrow = q_off + r * (kp // 2)
-    srow = s_off + r * (kp // 16)
+def _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, pairs):
+    """dot(row r of an NVFP4 matrix, x[:k]); row stride kp/2 bytes, kp/16 scales. pairs: f32
+    scratch [kp / 2]: each byte's two products first (one vectorized pass), then the sums of
+    16 under their scale."""
+    qr = block[q_off + r * (kp // 2):q_off + (r + 1) * (kp // 2)]
+    sr = block[s_off + r * (kp // 16):s_off + (r + 1) * (kp // 16)]
+    full = k // 2   # bytes whose two values both lie within x
+    for j in range(full):
+        pairs[j] = _e2m1(qr[j] & 0xF) * x[2 * j] + _e2m1(qr[j] >> 4) * x[2 * j + 1]
+    for j in range(full, kp // 2):   # a padded row's tail: an odd k's last value, then zeros
+        pairs[j] = _e2m1(qr[j] & 0xF) * x[2 * j] if 2 * j < k else np.float32(0.0)
     acc = np.float32(0.0)
-    if k == kp:   # no padded columns: no bounds test a value (1.3x on the CPU machine)
-        for g in range(kp // 16):
-            part = np.float32(0.0)
-            for b in range(8):
-                byte = block[qrow + g * 8 + b]
-                part += e2m1[byte & 0xF] * x[g * 16 + 2 * b] + e2m1[byte >> 4] * x[g * 16 + 2 * b + 1]
-            acc += part * e4m3[block[srow + g]]
-        return acc * gscale
     for g in range(kp // 16):
-        sc = e4m3[block[srow + g]]
         part = np.float32(0.0)
-        base = g * 16
         for b in range(8):
-            j = base + 2 * b
-            byte = block[qrow + j // 2]
-            if j < k:
-                part += e2m1[byte & 0xF] * x[j]
-            if j + 1 < k:
-                part += e2m1[byte >> 4] * x[j + 1]
-        acc += part * sc
+            part += pairs[g * 8 + b]
+        acc += part * _e4m3(sr[g])
     return acc * gscale
 
 
 @njit(inline="always")
-def _rows_fp8(block, q_off, s_off, r, k, x, e4m3):
-    qrow = q_off + r * k
+def _rows_fp8(block, q_off, s_off, r, k, x):
+    qr = block[q_off + r * k:q_off + (r + 1) * k]
     acc = np.float32(0.0)
     for j in range(k):
-        acc += e4m3[block[qrow + j]] * x[j]
+        acc += _e4m3(qr[j]) * x[j]
     return acc * block[s_off + 4 * r:s_off + 4 * r + 4].view(np.float32)[0]
 
 
 @njit(inline="always")
 def _rows_bf16(block, q_off, r, k, x):
-    # the row's bytes seen as uint16 (little-endian bf16 bits): a vectorizable dot, 3.5x the
-    # byte-pair assembly on the CPU machine
+    # the row's bytes seen as uint16 (little-endian bf16 bits)
     row = block[q_off + 2 * r * k:q_off + 2 * (r + 1) * k].view(np.uint16)
     acc = np.float32(0.0)
     for j in range(k):
@@ -403,11 +374,11 @@ def _rows_bf16(block, q_off, r, k, x):
 
 
 @njit(inline="always")
-def _row_dot(fmt, block, q_off, s_off, gscale, r, k, kp, x, e2m1, e4m3):
+def _row_dot(fmt, block, q_off, s_off, gscale, r, k, kp, x, pairs):
     if fmt == 2:
-        return _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, e2m1, e4m3)
+        return _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, pairs)
     if fmt == 1:
-        return _rows_fp8(block, q_off, s_off, r, k, x, e4m3)
+        return _rows_fp8(block, q_off, s_off, r, k, x)
     return _rows_bf16(block, q_off, r, k, x)
 
 
@@ -426,14 +397,15 @@ def _glu(clamped, g, u, alpha, limit):
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FM)
-def expert_block_mlp(fmt, block, lay, x, out, e2m1, e4m3, clamped, bias, alpha, limit):
+def expert_block_mlp(fmt, block, lay, x, out, clamped, bias, alpha, limit):
     """One expert from its block over tokens: x [T, H] f32 -> out [T, H] f32.
 
     fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). clamped: gpt-oss's activation
     (_glu) with alpha and limit; bias f32 [2I + H] (gate, up, down biases) or empty. One token:
     each row is dotted with it as it is read (_row_dot). More: each row is decoded once into a
     float32 scratch row, then dotted with every token's input (a 16-token group 3x faster in fp8
-    and NVFP4; one token 2.2x slower in bf16 and 1.3x in fp8 that way, on the CPU machine)."""
+    and NVFP4; one token 2.2x slower in bf16 and 1.3x in fp8 that way, on the CPU machine).
+    Rows are taken in tasks of ROWS_A_TASK, each with its scratch."""
     h, i_dim, hp, ip = lay[6], lay[7], lay[8], lay[9]
     gs = block[0:12].view(np.float32)
     t = x.shape[0]
@@ -441,20 +413,24 @@ def expert_block_mlp(fmt, block, lay, x, out, e2m1, e4m3, clamped, bias, alpha, 
     alpha, limit = np.float32(alpha), np.float32(limit)
     act = np.empty((t, i_dim), dtype=np.float32)
     if t == 1:
-        for idx in prange(i_dim):
-            g = _row_dot(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, x[0], e2m1, e4m3)
-            u = _row_dot(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, x[0], e2m1, e4m3)
-            if biased:
-                g += bias[idx]
-                u += bias[i_dim + idx]
-            act[0, idx] = _glu(clamped, g, u, alpha, limit)
-        for r in prange(h):
-            o = _row_dot(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, act[0], e2m1, e4m3)
-            out[0, r] = o + bias[2 * i_dim + r] if biased else o
+        for c in prange((i_dim + ROWS_A_TASK - 1) // ROWS_A_TASK):
+            pairs = np.empty(hp // 2, dtype=np.float32)
+            for idx in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, i_dim)):
+                g = _row_dot(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, x[0], pairs)
+                u = _row_dot(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, x[0], pairs)
+                if biased:
+                    g += bias[idx]
+                    u += bias[i_dim + idx]
+                act[0, idx] = _glu(clamped, g, u, alpha, limit)
+        for c in prange((h + ROWS_A_TASK - 1) // ROWS_A_TASK):
+            pairs = np.empty(ip // 2, dtype=np.float32)
+            for r in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, h)):
+                o = _row_dot(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, act[0], pairs)
+                out[0, r] = o + bias[2 * i_dim + r] if biased else o
         return
     for c in prange((i_dim + ROWS_A_TASK - 1) // ROWS_A_TASK):
-        bg = np.empty(h, dtype=np.float32)
-        bu = np.empty(h, dtype=np.float32)
+        bg = np.empty(hp, dtype=np.float32)
+        bu = np.empty(hp, dtype=np.float32)
         for idx in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, i_dim)):
             _decode_row(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, bg)
             _decode_row(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, bu)
@@ -464,7 +440,7 @@ def expert_block_mlp(fmt, block, lay, x, out, e2m1, e4m3, clamped, bias, alpha, 
                 act[ti, idx] = _glu(clamped, _dot(bg, x[ti], h) + gb, _dot(bu, x[ti], h) + ub,
                                     alpha, limit)
     for c in prange((h + ROWS_A_TASK - 1) // ROWS_A_TASK):
-        bd = np.empty(i_dim, dtype=np.float32)
+        bd = np.empty(ip, dtype=np.float32)
         for r in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, h)):
             _decode_row(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, bd)
             db = bias[2 * i_dim + r] if biased else np.float32(0.0)
@@ -707,7 +683,7 @@ class CpuOps:
         fmt, block, lay = weights
         out = np.empty(x.shape, dtype=np.float32)
         expert_block_mlp(FMT_CODE[fmt], block, lay, np.ascontiguousarray(x, dtype=np.float32),
-                         out, E2M1, E4M3, clamped, bias, alpha, limit)
+                         out, clamped, bias, alpha, limit)
         return out
 
     def expert_clamped(self, x: np.ndarray, weights, biases, alpha: float, limit: float):

@@ -106,13 +106,14 @@ def test_expert_clamped(limit, alpha):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("t", [1, 5])
-def test_expert_block_swiglu_and_clamped(fmt, t):
+@pytest.mark.parametrize("h,i", [(40, 24), (41, 19), (64, 32)])
+def test_expert_block_swiglu_and_clamped(fmt, t, h, i):
     """An expert read from its arena block (each format; one token takes the direct path, more
     the decoded-row path): SwiGLU, and gpt-oss's clamped form with biases, against the oracles
-    on the block's decoded weights. H = 40 pads NVFP4 rows."""
+    on the block's decoded weights. H = 40 pads NVFP4 rows, 41 / 19 leave a lone last value."""
     from loader.layout import ExpertLayout
     from loader.quant import decode_expert_block, encode_expert_block
-    h, i, limit, alpha = 40, 24, 1.2, 1.702
+    limit, alpha = 1.2, 1.702
     lay = ExpertLayout.build(fmt, h, i)
     w = [rng.standard_normal(s).astype(np.float32) * 0.5 for s in ((i, h), (i, h), (h, i))]
     block = encode_expert_block(fmt, lay, *w)
