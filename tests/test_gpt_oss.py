@@ -236,3 +236,33 @@ def test_rope_of_the_released_config():
         "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 4096}}
     assert np.allclose(family_of(hub).config.rope.inv_freq(), emb.inv_freq.numpy(), rtol=1e-6)
+
+
+def test_mxfp4_scales_too_far_apart_are_requantized(tmp_path, capfd):
+    """An expert whose MXFP4 scales span more than E4M3's 17 binades is re-quantized from its
+    values (said on stderr, naming it); the others keep their bytes."""
+    from engine.pack import pack
+    from loader.arena import ArenaFile
+    from loader.quant import encode_matrix
+    from loader.st_write import write_safetensors
+    src = tmp_path / "mxfp4"
+    _, tensors = write_mxfp4_model(tmp_path, src, np.random.default_rng())
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors[name + "_scales"][1, 0, 0], tensors[name + "_scales"][1, 2, 0] = 100, 126
+    tensors[name + "_blocks"][1, 0, 0, 0] = tensors[name + "_blocks"][1, 2, 0, 0] = 0x61
+    write_safetensors(src / "model.safetensors", tensors)
+    man = pack(src, tmp_path / "packed", experts="nvfp4", progress=False)
+    assert ("1 MXFP4 expert(s) (first: layer 0, expert 1) hold scales more than 17 binades "
+            "apart") in capfd.readouterr().err
+    ck = Checkpoint(src)
+    arena = ArenaFile.from_manifest(man, tmp_path / "packed")
+    lay = arena.layout
+    gate = "model.layers.0.mlp.experts.1.gate_proj.weight"
+    q, s, g = encode_matrix("nvfp4", ck.get_f32(gate))
+    block = arena.read_block(0, 1)
+    assert np.array_equal(block[lay.gate_q:lay.gate_q + q.size], q)
+    assert np.array_equal(block[lay.gate_s:lay.gate_s + s.size], s)
+    blocks, _ = ck.mxfp4_parts("model.layers.0.mlp.experts.0.gate_proj.weight")
+    assert np.array_equal(arena.read_block(0, 0)[lay.gate_q:lay.gate_q + blocks.size],
+                          blocks.reshape(-1))
+    arena.close()
