@@ -299,20 +299,24 @@ def _e2m1(c):
 # decoded from their bits (_e2m1, _e4m3), not gathered from a table, for the same reason.
 
 @njit(inline="always")
-def _decode_row(fmt, block, q_off, s_off, gscale, r, k, kp, buf):
-    """Row r of one of a block's matrices -> buf[:k] float32 (buf holds kp), its scales applied.
-    fmt 2 NVFP4 (row stride kp/2 bytes, a scale each 16 values), 1 FP8 (a float32 scale a row),
-    0 bf16. A row is decoded once for all the tokens that use it."""
+def _decode_row(fmt, block, q_off, s_off, gscale, r, k, kp, buf, tmp):
+    """Row r of one of a block's matrices -> buf[:k] float32 (buf holds kp; padded columns
+    decode to 0), its scales applied. fmt 2 NVFP4 (row stride kp/2 bytes, a scale each 16
+    values; tmp: f32 scratch [kp]), 1 FP8 (a float32 scale a row), 0 bf16. A row is decoded
+    once for all the tokens that use it."""
     if fmt == 2:
         qr = block[q_off + r * (kp // 2):q_off + (r + 1) * (kp // 2)]
         sr = block[s_off + r * (kp // 16):s_off + (r + 1) * (kp // 16)]
-        for j in range(kp // 2):   # padded columns hold code 0: buf[k:kp] = 0, never read
-            buf[2 * j] = _e2m1(qr[j] & 0xF)
-            buf[2 * j + 1] = _e2m1(qr[j] >> 4)
+        nb = kp // 2
+        lo, hi = tmp[:nb], tmp[nb:kp]   # even and odd values apart first: both loops vectorize
+        for j in range(nb):
+            lo[j] = _e2m1(qr[j] & 0xF)
+            hi[j] = _e2m1(qr[j] >> 4)
         for g in range(kp // 16):
             sc = _e4m3(sr[g]) * gscale
-            for b in range(16):
-                buf[g * 16 + b] *= sc
+            for b in range(8):
+                buf[g * 16 + 2 * b] = lo[g * 8 + b] * sc
+                buf[g * 16 + 2 * b + 1] = hi[g * 8 + b] * sc
     elif fmt == 1:
         qr = block[q_off + r * k:q_off + (r + 1) * k]
         sc = block[s_off + 4 * r:s_off + 4 * r + 4].view(np.float32)[0]
@@ -428,24 +432,75 @@ def expert_block_mlp(fmt, block, lay, x, out, clamped, bias, alpha, limit):
                 o = _row_dot(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, act[0], pairs)
                 out[0, r] = o + bias[2 * i_dim + r] if biased else o
         return
-    for c in prange((i_dim + ROWS_A_TASK - 1) // ROWS_A_TASK):
-        bg = np.empty(hp, dtype=np.float32)
-        bu = np.empty(hp, dtype=np.float32)
-        for idx in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, i_dim)):
-            _decode_row(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, bg)
-            _decode_row(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, bu)
-            gb = bias[idx] if biased else np.float32(0.0)
-            ub = bias[i_dim + idx] if biased else np.float32(0.0)
-            for ti in range(t):
-                act[ti, idx] = _glu(clamped, _dot(bg, x[ti], h) + gb, _dot(bu, x[ti], h) + ub,
-                                    alpha, limit)
-    for c in prange((h + ROWS_A_TASK - 1) // ROWS_A_TASK):
-        bd = np.empty(ip, dtype=np.float32)
-        for r in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, h)):
-            _decode_row(fmt, block, lay[4], lay[5], gs[2], r, i_dim, ip, bd)
-            db = bias[2 * i_dim + r] if biased else np.float32(0.0)
-            for ti in range(t):
-                out[ti, r] = _dot(bd, act[ti], i_dim) + db
+    # Two or more tokens: rows decoded once into float32 scratch rows, then 4 tokens x 4 rows
+    # of sums at a time (gate: 2 rows beside their 2 up rows), so each value loaded serves four
+    # products. Tokens padded to a multiple of 4 with zero rows (their sums are dropped).
+    tp = (t + 3) // 4 * 4
+    xp = np.zeros((tp, hp), dtype=np.float32)
+    xp[:t, :h] = x
+    actp = np.zeros((tp, ip), dtype=np.float32)
+    for c in prange((i_dim + 1) // 2):
+        r0 = 2 * c
+        nr = min(2, i_dim - r0)
+        w = np.zeros((4, hp), dtype=np.float32)   # gate r0, gate r0 + 1, up r0, up r0 + 1
+        tmp = np.empty(hp, dtype=np.float32)
+        for r in range(nr):
+            _decode_row(fmt, block, lay[0], lay[1], gs[0], r0 + r, h, hp, w[r], tmp)
+            _decode_row(fmt, block, lay[2], lay[3], gs[1], r0 + r, h, hp, w[2 + r], tmp)
+        for t0 in range(0, tp, 4):
+            s = _sums4x4(w, xp, t0, hp)
+            for r in range(nr):
+                gb = bias[r0 + r] if biased else np.float32(0.0)
+                ub = bias[i_dim + r0 + r] if biased else np.float32(0.0)
+                for q in range(4):
+                    actp[t0 + q, r0 + r] = _glu(clamped, s[r, q] + gb, s[2 + r, q] + ub,
+                                                alpha, limit)
+    for c in prange((h + 3) // 4):
+        r0 = 4 * c
+        nr = min(4, h - r0)
+        w = np.zeros((4, ip), dtype=np.float32)
+        tmp = np.empty(ip, dtype=np.float32)
+        for r in range(nr):
+            _decode_row(fmt, block, lay[4], lay[5], gs[2], r0 + r, i_dim, ip, w[r], tmp)
+        for t0 in range(0, tp, 4):
+            s = _sums4x4(w, actp, t0, ip)
+            for r in range(nr):
+                db = bias[2 * i_dim + r0 + r] if biased else np.float32(0.0)
+                for q in range(min(4, t - t0)):
+                    out[t0 + q, r0 + r] = s[r, q] + db
+
+
+@njit(inline="always", fastmath=FM)
+def _sums4x4(w, x, t0, k):
+    """[4, 4] f32: dot(w[r, :k], x[t0 + q, :k]) for 4 rows r and 4 tokens q, in one pass."""
+    x0, x1, x2, x3 = x[t0], x[t0 + 1], x[t0 + 2], x[t0 + 3]
+    w0, w1, w2, w3 = w[0], w[1], w[2], w[3]
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
+    for j in range(k):
+        v0, v1, v2, v3 = x0[j], x1[j], x2[j], x3[j]
+        a00 += w0[j] * v0
+        a01 += w0[j] * v1
+        a02 += w0[j] * v2
+        a03 += w0[j] * v3
+        a10 += w1[j] * v0
+        a11 += w1[j] * v1
+        a12 += w1[j] * v2
+        a13 += w1[j] * v3
+        a20 += w2[j] * v0
+        a21 += w2[j] * v1
+        a22 += w2[j] * v2
+        a23 += w2[j] * v3
+        a30 += w3[j] * v0
+        a31 += w3[j] * v1
+        a32 += w3[j] * v2
+        a33 += w3[j] * v3
+    s = np.empty((4, 4), dtype=np.float32)
+    s[0, 0], s[0, 1], s[0, 2], s[0, 3] = a00, a01, a02, a03
+    s[1, 0], s[1, 1], s[1, 2], s[1, 3] = a10, a11, a12, a13
+    s[2, 0], s[2, 1], s[2, 2], s[2, 3] = a20, a21, a22, a23
+    s[3, 0], s[3, 1], s[3, 2], s[3, 3] = a30, a31, a32, a33
+    return s
 
 
 # ---- sampling --------------------------------------------------------------------------------
