@@ -198,6 +198,20 @@ def check_against(ref, m) -> None:
     assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=24).output_ids, 24)
 
 
+def record_prefills(m) -> list:
+    """From now on, the last logits of each prefill m's model runs (its forward wrapped; decode
+    steps, one id at a time, are not kept)."""
+    prefills, forward = [], m.model.forward
+
+    def recorded(ids, st, all_logits=False):
+        out = forward(ids, st, all_logits)
+        if len(ids) > 1:
+            prefills.append(np.array(out[-1]))
+        return out
+    m.model.forward = recorded
+    return prefills
+
+
 def copy_config(src: Path, dst: Path, **changes) -> None:
     """src's config.json into dst with changes (a None value removes the key), and its
     tokenizer files: the rest of a checkpoint folder whose weights a test rewrote."""

@@ -8,7 +8,8 @@ import torch
 
 import engine
 from conftest import (assert_greedy, build_hf_model, check_device_sampling_equals_host,
-                      check_graph_replay_equals_eager, hf_reference, load_streamed, rel_err)
+                      check_graph_replay_equals_eager, hf_reference, load_streamed,
+                      record_prefills, rel_err)
 from engine.pack import pack
 
 pytestmark = pytest.mark.gpu
@@ -159,15 +160,7 @@ def test_prefix_cache_resumes_the_last_state(tmp_path, resident):
     load = (lambda **kw: engine.load(tmp_path / "p", device="cuda", **kw)) if resident else \
         (lambda **kw: load_streamed(tmp_path / "p", **kw))
     m, fresh = load(prefix_cache=True), load()
-    prefills = []
-    forward = m.model.forward
-
-    def recorded(ids, st, all_logits=False):
-        out = forward(ids, st, all_logits)
-        if len(ids) > 1:   # a prefill (decode steps may come here one id at a time)
-            prefills.append(np.array(out[-1]))
-        return out
-    m.model.forward = recorded
+    prefills = record_prefills(m)
 
     seed = int(np.random.default_rng().integers(1 << 31))
     print(f"ids seed {seed}")

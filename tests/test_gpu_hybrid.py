@@ -398,20 +398,13 @@ def test_prefix_cache_resumes_at_the_prompt_end(tmp_path):
     prompt's end, put back into the one device state: its logits are those of the two prompts'
     pieces prefilled one after the other on a fresh engine, its tokens a fresh engine's."""
     import engine
+    from conftest import record_prefills
     from engine.pack import pack
     _tiny(tmp_path / "src", "qwen3_next", num_experts=8, num_experts_per_tok=2)
     pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
     m = engine.load(tmp_path / "p", device="cuda", prefix_cache=True)
     fresh = engine.load(tmp_path / "p", device="cuda")
-    prefills = []
-    forward = m.model.forward
-
-    def recorded(ids, st, all_logits=False):
-        out = forward(ids, st, all_logits)
-        if len(ids) > 1:
-            prefills.append(np.array(out[-1]))
-        return out
-    m.model.forward = recorded
+    prefills = record_prefills(m)
     seed = int(np.random.default_rng().integers(1 << 31))
     print(f"ids seed {seed}")
     rng = np.random.default_rng(seed)
