@@ -1,6 +1,6 @@
 """python -m engine.bench: decode speed next to the bound the memory system allows.
 
-    python -m engine.bench cpu-decode [--preset mid] [--tokens 32]
+    python -m engine.bench cpu-decode [--preset mid] [--tokens 32] [--experts nvfp4] [--prompt-len N]
 
 Prints tokens/s, the bytes each token touches, the DRAM bandwidth measured in the same run,
 the bound (bandwidth / bytes per token) and achieved/bound.
@@ -66,26 +66,42 @@ def dram_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return best
 
 
-def synth_dir(preset: str) -> Path:
+CPU_EXPERTS = ("checkpoint", "bf16", "fp8", "nvfp4")   # cpu-decode --experts: as built, or packed
+
+
+def synth_dir(preset: str, experts: str = "checkpoint") -> Path:
+    """The preset's random bf16 checkpoint (built once in the cache folder), or that checkpoint
+    packed with its experts in an arena of the format named (packed once too)."""
     from engine.demo import build_random_model, cache_dir
     d = cache_dir() / f"synth-{preset}-bf16"
     if not (d / "config.json").is_file():
         print(f"building synthetic model {preset} in {d} ...", file=sys.stderr)
         build_random_model(d, PRESETS[preset], bf16=True)
-    return d
+    if experts == "checkpoint":
+        return d
+    from engine.pack import MANIFEST, pack
+    packed = cache_dir() / f"synth-{preset}-packed-{experts}"
+    if not (packed / MANIFEST).is_file():
+        print(f"packing {d} into {packed} ({experts} experts) ...", file=sys.stderr)
+        pack(d, packed, experts, force=True, progress=False)
+    return packed
 
 
-def cpu_decode(preset: str = "mid", tokens: int = 32) -> dict:
+def cpu_decode(preset: str = "mid", tokens: int = 32, experts: str = "checkpoint",
+               prompt_len: int = 8) -> dict:
     import engine
-    m = engine.load(synth_dir(preset), device="cpu")
+    m = engine.load(synth_dir(preset, experts), device="cpu")
     m.generate([1, 2, 3, 4], max_new_tokens=4)  # compile kernels
-    res = m.generate([1, 2, 3, 4, 5, 6, 7, 8], max_new_tokens=tokens, temperature=0)
+    m.generate(list(range(1, 18)), max_new_tokens=1)  # and the many-token expert path
+    prompt = np.random.default_rng(0).integers(1, PRESETS[preset]["vocab_size"], prompt_len)
+    res = m.generate(prompt.tolist(), max_new_tokens=tokens, temperature=0)
     pt = res.stats["decode_per_token"]
     bpt = pt["weight_bytes"] + pt["state_bytes"]   # the weights and the KV rows a token reads
     bw = dram_read_bandwidth()
     tok_s = res.stats["decode_tok_s"]
     bound = bw * 1e9 / bpt
-    return {"preset": preset, "decode_tok_s": tok_s, "prefill_tok_s": res.stats["prefill_tok_s"],
+    return {"preset": preset, "experts": experts, "prompt_len": prompt_len,
+            "decode_tok_s": tok_s, "prefill_tok_s": res.stats["prefill_tok_s"],
             "bytes_per_token": bpt, "dram_read_GBps": bw, "bound_tok_s": bound,
             "achieved_over_bound": tok_s / bound, "machine": platform.processor() or platform.machine(),
             "cores": __import__("os").cpu_count()}
@@ -240,7 +256,11 @@ def main(argv=None) -> int:
     p.add_argument("--ram-gb", type=float, nargs="+", default=[4.0, 8.0, 32.0])
     p.add_argument("--resident-vram-gb", type=float, default=None,
                    help="also run with this VRAM budget (all experts resident: the compute ceiling)")
-    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="prompt length (gpu-stream default 2048, cpu-decode 8)")
+    p.add_argument("--experts", choices=CPU_EXPERTS, default="checkpoint",
+                   help="cpu-decode: the preset's bf16 checkpoint as it is, or packed into an "
+                        "arena of this format (packed once, kept in the cache folder)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--route", choices=("model", "uniform"), default="model",
                    help="uniform: replace the model's routing by uniform random draws (forces streaming)")
@@ -252,12 +272,14 @@ def main(argv=None) -> int:
                    help="print where the decode thread spends its time (cProfile, top 25)")
     a = p.parse_args(argv)
     if a.what == "gpu-stream":
-        gpu_stream(a.model, a.vram_gb, a.ram_gb, a.tokens, a.prompt_len, a.out, a.resident_vram_gb,
+        gpu_stream(a.model, a.vram_gb, a.ram_gb, a.tokens, a.prompt_len or 2048, a.out,
+                   a.resident_vram_gb,
                    a.route, a.profile, a.speculate, a.warm_ram, a.kv_cache)
         return 0
-    r = cpu_decode(a.preset, a.tokens)
+    r = cpu_decode(a.preset, a.tokens, a.experts, a.prompt_len or 8)
     print(json.dumps(r, indent=1))
-    print(f"decode {r['decode_tok_s']:.2f} tok/s | {r['bytes_per_token'] / 1e6:.1f} MB/token | "
+    print(f"prefill {r['prefill_tok_s']:.1f} tok/s ({r['prompt_len']} ids) | "
+          f"decode {r['decode_tok_s']:.2f} tok/s | {r['bytes_per_token'] / 1e6:.1f} MB/token | "
           f"DRAM {r['dram_read_GBps']:.1f} GB/s -> bound {r['bound_tok_s']:.1f} tok/s | "
           f"achieved/bound {r['achieved_over_bound']:.2f}", file=sys.stderr)
     return 0
