@@ -220,3 +220,25 @@ def test_compressed_tensors_nvfp4_errors(tmp_path):
     (tmp_path / "noglobal" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=f"{name}_global_scale"):   # past the config
         Checkpoint(tmp_path / "noglobal")
+
+
+def test_compressed_tensors_reads_as_its_own_decompressor(tmp_path):
+    """Every NVFP4 weight of a compressed-tensors checkpoint reads as compressed-tensors' own
+    NVFP4PackedCompressor decompresses it (its bf16 result: within one bf16 rounding, since it
+    divides by the global scale where the engine multiplies by its reciprocal)."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    build_hf_model(tmp_path / "f32", "qwen3_moe")
+    write_nvfp4(tmp_path / "f32", tmp_path / "ct", layout="compressed-tensors")
+    qc = LAYOUTS["compressed-tensors"][2]["config_groups"]["group_0"]
+    scheme = QuantizationScheme(targets=qc["targets"], weights=QuantizationArgs(**qc["weights"]))
+    raw = load_file(tmp_path / "ct" / "model.safetensors")
+    ck = Checkpoint(tmp_path / "ct")
+    names = [n[:-len("_packed")] for n in raw if n.endswith("weight_packed")]
+    assert len(names) == len(ck.nvfp4) > 0
+    for name in names:
+        local = {"weight" + x: raw[name + x] for x in ("_packed", "_scale", "_global_scale")}
+        want = NVFP4PackedCompressor.decompress(local, scheme)["weight"].float().numpy()
+        got = ck.get_f32(name)
+        assert got.shape == want.shape
+        assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want)), name
