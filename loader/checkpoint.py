@@ -141,9 +141,13 @@ class Checkpoint:
         self.fp8: dict[str, tuple] = {}
         # NVFP4 weight name -> (its values, its block scales, its global scale tensor)
         self.nvfp4: dict[str, tuple] = {}
+        # integer weight name -> (layout "ct" / "gptq" / "awq", its stored tensors, bits, N, K)
+        self.intq: dict[str, tuple] = {}
+        self._int_layout, self._int_opts = None, {}
         declared = self._quant_config(cfg_path)
         self._find_nvfp4()   # first: its block scales are F8_E4M3 tensors too
         self._find_fp8(declared)
+        self._find_int()
         self.fused: dict[str, str] = {}   # per-expert view name -> the fused tensor it lies in
         # per-expert copy name -> (the fused tensor, expert, column start of a stride-2 half or None)
         self.derived: dict[str, tuple] = {}
@@ -258,11 +262,15 @@ class Checkpoint:
                 raise CheckpointError(f"{cfg_path}: quantization_config.quant_method 'mxfp4' is "
                                       "read for gpt_oss checkpoints only")
             return None
+        if method in ("gptq", "awq"):
+            self._int_config(method, qc, cfg_path)
+            return None
         if method not in (None, "fp8"):
             raise CheckpointError(
                 f"{cfg_path}: quantization_config.quant_method is {method!r}; the engine reads "
                 "bf16 / fp16 / fp32 checkpoints, FP8 ones (quant_method 'fp8', or "
-                "'compressed-tensors' with 8-bit float weights), ModelOpt NVFP4 / FP8 ones and "
+                "'compressed-tensors' with 8-bit float weights), ModelOpt NVFP4 / FP8 ones, "
+                "4- / 8-bit integer ones (GPTQ, AWQ, compressed-tensors 'pack-quantized') and "
                 "gpt_oss MXFP4 ones")
         if qc.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"{cfg_path}: quantization_config.fmt is {qc['fmt']!r}; "
@@ -271,7 +279,8 @@ class Checkpoint:
 
     # compressed-tensors formats read: (format, weights' num_bits, type) -> what it is
     CT_FORMATS = {("float-quantized", 8, "float"): "FP8", ("naive-quantized", 8, "float"): "FP8",
-                  ("nvfp4-pack-quantized", 4, "float"): "NVFP4"}
+                  ("nvfp4-pack-quantized", 4, "float"): "NVFP4",
+                  ("pack-quantized", 4, "int"): "INT", ("pack-quantized", 8, "int"): "INT"}
 
     def _compressed_tensors(self, qc: dict, cfg_path: Path) -> list | None:
         """FP8 (8-bit float weights, a scale a channel / tensor / block) or NVFP4 (4-bit float
@@ -283,8 +292,9 @@ class Checkpoint:
         if top not in {f for f, _, _ in self.CT_FORMATS} | {"mixed-precision"}:
             raise CheckpointError(
                 f"{cfg_path}: quantization_config.format is {top!r}; the engine reads "
-                "compressed-tensors checkpoints in 'float-quantized' (FP8) and "
-                "'nvfp4-pack-quantized' (NVFP4) formats, or 'mixed-precision' of those")
+                "compressed-tensors checkpoints in 'float-quantized' (FP8), "
+                "'nvfp4-pack-quantized' (NVFP4) and 'pack-quantized' (4- / 8-bit integer) "
+                "formats, or 'mixed-precision' of those")
         if top == "mixed-precision" and not groups:
             raise CheckpointError(f"{cfg_path}: quantization_config.format is 'mixed-precision' "
                                   "but config_groups is empty: nothing says each group's format")
@@ -296,8 +306,10 @@ class Checkpoint:
                 raise CheckpointError(
                     f"{cfg_path}: quantization_config.config_groups.{gname}.weights is "
                     f"{w.get('num_bits')}-bit {w.get('type')} ({fmt}); the engine reads "
-                    "compressed-tensors checkpoints with FP8 (8-bit float) weights or NVFP4 "
-                    "(4-bit float, 'nvfp4-pack-quantized') weights only")
+                    "compressed-tensors checkpoints with FP8 (8-bit float), NVFP4 (4-bit float, "
+                    "'nvfp4-pack-quantized') or 4- / 8-bit integer ('pack-quantized') weights")
+            if kind == "INT":
+                self._int_layout = "ct"
             if kind == "NVFP4" and w.get("group_size") not in (None, NVFP4_GROUP):
                 raise CheckpointError(
                     f"{cfg_path}: quantization_config.config_groups.{gname}.weights.group_size "
@@ -344,6 +356,121 @@ class Checkpoint:
             del self.tensors[sc.name]
             if name.endswith("weight"):
                 self.tensors.pop(name[:-len("weight")] + "input_scale", None)
+
+    def _int_config(self, method: str, qc: dict, cfg_path: Path) -> None:
+        """GPTQ (AutoGPTQ / GPTQModel: 'gptq' checkpoints store each zero point less one,
+        'gptq_v2' as it is) or AWQ (its GEMM packing) with 4- or 8-bit weights, else refused."""
+        bits = qc.get("bits", qc.get("w_bit"))
+        if method == "awq":
+            version = str(qc.get("version") or "gemm").lower()
+            if version != "gemm" or bits != 4 or qc.get("zero_point") is False:
+                raise CheckpointError(
+                    f"{cfg_path}: quantization_config is AWQ version {version!r}, {bits}-bit, "
+                    f"zero_point {qc.get('zero_point', True)}; the engine reads 4-bit GEMM "
+                    "AWQ checkpoints with zero points")
+            self._int_opts = {"group": int(qc.get("group_size", qc.get("q_group_size", 128)))}
+        else:
+            fmt = qc.get("checkpoint_format", "gptq")
+            if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2"):
+                raise CheckpointError(
+                    f"{cfg_path}: quantization_config is GPTQ {bits}-bit, checkpoint_format "
+                    f"{fmt!r}; the engine reads 4- and 8-bit GPTQ checkpoints in the 'gptq' or "
+                    "'gptq_v2' format")
+            self._int_opts = {"group": int(qc.get("group_size", 128)),
+                              "zero_offset": 1 if fmt == "gptq" else 0}
+        self._int_layout, self._int_opts["bits"] = method, int(bits)
+
+    def _find_int(self) -> None:
+        """Register each integer-quantized weight (it then reads as bf16 [N, K], dequantized on
+        read) and hide the tensors it is stored in: compressed-tensors `weight_packed` I32
+        [N, K bits / 32] (value i at bit i * bits, offset by 2^(bits - 1)), `weight_scale` [N, G],
+        `weight_shape`, `weight_zero_point` (packed along N) and `weight_g_idx` if any; GPTQ
+        `qweight` I32 [K bits / 32, N], `qzeros` [G, N bits / 32], `scales` [G, N], `g_idx`
+        [K]; AWQ `qweight` [K, N / 8] and `qzeros` [G, N / 8] in its column order, `scales`."""
+        if self._int_layout is None:
+            return
+        ct = self._int_layout == "ct"
+        stored = "weight_packed" if ct else "qweight"
+        for name, t in list(self.tensors.items()):
+            if not name.endswith(stored) or t.dtype != "I32":
+                continue
+            p = name[:-len(stored)]   # the module's prefix, "...proj."
+            side = (("weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx") if ct
+                    else ("scales", "qzeros", "g_idx"))
+            parts = {"q": t, **{k: self.tensors[p + k] for k in side if p + k in self.tensors}}
+            need = ("weight_scale", "weight_shape") if ct else ("scales", "qzeros")
+            lack = [p + k for k in need if k not in parts]
+            if lack:
+                raise CheckpointError(f"{t.file}: integer-quantized tensor {name} needs "
+                                      f"{lack[0]} beside it (missing)")
+            sc = parts[need[0]]
+            if len(t.shape) != 2 or len(sc.shape) != 2 or sc.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"{t.file}: integer-quantized tensor {name} is "
+                                      f"{list(t.shape)} beside {sc.name} {sc.dtype} "
+                                      f"{list(sc.shape)}; expected 2-D values and float scales")
+            if ct:
+                n, k = (int(v) for v in self._stored(parts["weight_shape"]).reshape(-1)[:2])
+                words = t.shape[1]
+                bits = 4 if words == -(-k * 4 // 32) else 8 if words == -(-k * 8 // 32) else 0
+                ok = bits and t.shape[0] == n and sc.shape[0] == n
+            else:
+                bits = self._int_opts["bits"]
+                n = sc.shape[1]
+                k = t.shape[0] * 32 // bits if self._int_layout == "gptq" else t.shape[0]
+                width = n if self._int_layout == "gptq" else n * bits // 32
+                ok = t.shape[1] == width and (self._int_layout == "gptq" or n % 8 == 0)
+            if not ok:
+                raise CheckpointError(f"{t.file}: integer-quantized tensor {name} has shape "
+                                      f"{list(t.shape)} beside {sc.name} {list(sc.shape)}, which "
+                                      f"no {self._int_layout} layout of 4- or 8-bit values packs")
+            w = p + "weight"
+            self.intq[w] = (self._int_layout, parts, bits, n, k)
+            for part in parts.values():
+                self.tensors.pop(part.name, None)
+            self.tensors[w] = TensorInfo(w, t.file, "BF16", (n, k), t.start, n * k * 2)
+
+    def _floats(self, t: TensorInfo) -> np.ndarray:
+        a = self._stored(t)
+        if t.dtype == "BF16":
+            return (a.astype(np.uint32) << 16).view(np.float32)
+        return a.astype(np.float32)
+
+    def _dequant_int(self, name: str) -> np.ndarray:
+        """An integer-quantized weight as float32 [N, K]: (q - zero) * scale, a group's zero
+        point and scale for each column."""
+        from loader.quant import AWQ_ORDER, dequant_grouped_int, unpack_int32
+        layout, parts, bits, n, k = self.intq[name]
+        q = self._stored(parts["q"])
+        try:
+            if layout == "ct":
+                off = 1 << (bits - 1)
+                codes = unpack_int32(q, bits, k, axis=1).astype(np.int16) - off
+                scales = self._floats(parts["weight_scale"])            # [N, G]
+                g = scales.shape[1]
+                zp = parts.get("weight_zero_point")
+                zeros = (np.zeros((n, g), np.int16) if zp is None else
+                         unpack_int32(self._stored(zp), bits, n, axis=0).astype(np.int16) - off)
+                gi = parts.get("weight_g_idx")
+                groups = (self._stored(gi).astype(np.int64) if gi is not None
+                          else np.arange(k) // -(-k // g))
+                return dequant_grouped_int(codes, zeros, scales, groups)
+            scales = self._floats(parts["scales"]).T                    # [N, G]
+            zeros = unpack_int32(self._stored(parts["qzeros"]), bits, n, axis=1)   # [G, N]
+            if layout == "gptq":
+                codes = unpack_int32(q, bits, k, axis=0).T                   # [N, K]
+                zeros = zeros.astype(np.int16) + self._int_opts["zero_offset"]
+                gi = parts.get("g_idx")
+            else:   # AWQ: column c of each 8 sits in nibble ORDER.index(c)
+                cols = np.arange(n)
+                pick = cols // 8 * 8 + np.argsort(AWQ_ORDER)[cols % 8]
+                codes = unpack_int32(q, bits, n, axis=1)[:, pick].T          # [N, K]
+                zeros, gi = zeros[:, pick], None
+            group = self._int_opts["group"]
+            groups = (self._stored(gi).astype(np.int64) if gi is not None
+                      else np.arange(k) // (group if group > 0 else k))
+            return dequant_grouped_int(codes, zeros.T, scales, groups)
+        except (ValueError, IndexError) as e:
+            raise CheckpointError(f"{parts['q'].file}: {parts['q'].name}: {e}") from None
 
     _FUSED = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
 
@@ -469,7 +596,7 @@ class Checkpoint:
             if col is not None:
                 a = a[..., col::2]
             return np.ascontiguousarray(a.T)
-        if name in self.fp8 or name in self.nvfp4:
+        if name in self.fp8 or name in self.nvfp4 or name in self.intq:
             from loader.quant import f32_to_bf16
             return f32_to_bf16(self.get_f32(name))
         return self._stored(t)
@@ -483,6 +610,8 @@ class Checkpoint:
             from loader.quant import dequant_nvfp4
             q, s, g = self.nvfp4_parts(name)
             return dequant_nvfp4(q, s, g, 2 * q.shape[1])
+        if name in self.intq:
+            return self._dequant_int(name)
         a = self.get(name)
         dt = self.tensors[name].dtype
         if dt == "BF16":

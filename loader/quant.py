@@ -226,6 +226,39 @@ def nvfp4_from_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> tuple | None:
     return blocks.reshape(r, 16 * g).copy(), np.repeat(code, 2, axis=1), gscale
 
 
+# ---- integer-quantized checkpoints (read only: dequantized on read) ---------------------------
+
+AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])   # AWQ's GEMM packing: nibble i holds column ORDER[i]
+
+
+def unpack_int32(packed: np.ndarray, bits: int, n: int, axis: int) -> np.ndarray:
+    """Unsigned bits-wide fields (4 or 8) packed densely into int32 words along axis, element i
+    at bit i * bits of the little-endian stream -> uint8 with n elements along that axis."""
+    a = np.moveaxis(np.ascontiguousarray(packed, dtype="<i4"), axis, -1)
+    b = np.ascontiguousarray(a).view(np.uint8)   # [..., 4 W] bytes in stream order
+    if bits == 4:
+        out = np.empty(b.shape[:-1] + (2 * b.shape[-1],), dtype=np.uint8)
+        out[..., 0::2] = b & 0xF
+        out[..., 1::2] = b >> 4
+    elif bits == 8:
+        out = b
+    else:
+        raise ValueError(f"{bits}-bit integer weights: the engine reads 4- and 8-bit ones")
+    if out.shape[-1] < n:
+        raise ValueError(f"{packed.shape} packed {bits}-bit words hold {out.shape[-1]} values "
+                         f"along axis {axis}, expected {n}")
+    return np.moveaxis(out[..., :n], -1, axis)
+
+
+def dequant_grouped_int(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
+                        groups: np.ndarray) -> np.ndarray:
+    """q [N, K] integer codes, zeros and scales [N, G], groups int [K] (each column's group)
+    -> float32 [N, K]: (q - zero) * scale, in float32 as the checkpoints' readers do."""
+    z = zeros.astype(np.float32)[:, groups]
+    s = scales.astype(np.float32)[:, groups]
+    return (q.astype(np.float32) - z) * s
+
+
 def quantize_fp8(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
     """w float32 [R, K] -> (q uint8 [R, K] E4M3 FN bits, s float32 [R]); dequant = q * s[r]."""
     w = _as_f32_matrix(w, name)

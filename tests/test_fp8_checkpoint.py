@@ -185,11 +185,11 @@ def test_fp8_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"_scale_inv has shape \[\d+, \d+\]; expected"):
         Checkpoint(tmp_path / "grid")
 
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "marlin-24",
                                   "config_groups": {"group_0": {"weights": {"num_bits": 4,
                                                                             "type": "int"}}}}
     (tmp_path / "grid" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="quantization_config.format is 'pack-quantized'"):
+    with pytest.raises(CheckpointError, match="quantization_config.format is 'marlin-24'"):
         Checkpoint(tmp_path / "grid")
     cfg["quantization_config"]["format"] = "float-quantized"
     cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "float"
@@ -204,10 +204,10 @@ def test_fp8_errors(tmp_path):
     with pytest.raises(CheckpointError, match="quantization_config.format is 'mixed-precision'"):
         Checkpoint(tmp_path / "grid")
 
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "hqq", "bits": 4}
     (tmp_path / "grid" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="config.json: quantization_config.quant_method is "
-                                              "'gptq'"):
+                                              "'hqq'"):
         Checkpoint(tmp_path / "grid")
 
     # a NaN code in the stored weight: refused when read, naming the tensor
