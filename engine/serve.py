@@ -275,22 +275,18 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
 
 
 def _render(tokenizer, msgs, add_generation_prompt, tools, kwargs) -> str:
-    """The chat template on the messages as the client sent them; where that fails and the
-    history holds tool calls, again with their arguments as objects: the API sends a JSON
-    string, which some templates print (DeepSeek's concatenate it) and others iterate
-    (Qwen3.5's: arguments|items)."""
+    """The chat template on the messages with the history's tool-call arguments as objects
+    (the API sends a JSON string; Hugging Face's and vLLM's convention, which Qwen2.5's
+    `arguments | tojson` and Qwen3.5's `arguments | items` expect); where that fails, again
+    with the strings as the client sent them (DeepSeek's templates concatenate them)."""
+    objs = [{**m, "tool_calls": [_call_for_template(c) for c in m["tool_calls"]]}
+            if isinstance(m.get("tool_calls"), list) else m for m in msgs]
     try:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt, tools, **kwargs)
+        return tokenizer.apply_chat_template(objs, add_generation_prompt, tools, **kwargs)
     except TemplateError:
-        objs = [{**m, "tool_calls": [_call_for_template(c) for c in m["tool_calls"]]}
-                if isinstance(m.get("tool_calls"), list) else m for m in msgs]
         if objs == msgs:
             raise
-        try:
-            return tokenizer.apply_chat_template(objs, add_generation_prompt, tools, **kwargs)
-        except TemplateError:
-            pass
-        raise
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt, tools, **kwargs)
 
 
 def _call_for_template(call):

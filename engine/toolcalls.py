@@ -17,22 +17,40 @@ import uuid
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 THINK, UNTHINK = "<think>", "</think>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+# a value ends at its </parameter>, or (a model that left the tag out) at the next parameter or
+# the end of the function's body
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|\Z)",
+                        re.S)
 
 
 def template_writes_calls(chat_template: str | None) -> bool:
     return bool(chat_template) and OPEN in chat_template
 
 
+def _schema_types(schema) -> set:
+    """The JSON types a parameter's schema allows ("type" a name or a list, or anyOf / oneOf
+    members: Pydantic writes Optional[str] as anyOf string / null); empty when it says none."""
+    if not isinstance(schema, dict):
+        return set()
+    t = schema.get("type")
+    out = {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} \
+        if isinstance(t, list) else set()
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or ():
+            out |= _schema_types(sub) or {"string"}   # a member without a type may be text
+    return out
+
+
 def param_types(tools) -> dict:
-    """{function name: {parameter: JSON schema type}} of a request's tools."""
+    """{function name: {parameter: the set of JSON types its schema allows}} of a request's
+    tools."""
     out = {}
     for t in tools or ():
         f = t.get("function") if isinstance(t, dict) else None
         if isinstance(f, dict) and isinstance(f.get("name"), str):
             params = f.get("parameters")
             props = params.get("properties") if isinstance(params, dict) else None
-            out[f["name"]] = ({k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
+            out[f["name"]] = ({k: _schema_types(v) for k, v in props.items()}
                               if isinstance(props, dict) else {})
     return out
 
@@ -46,14 +64,16 @@ def _strict_json(text: str):
 
 def _xml_call(body: str, types: dict) -> tuple[str, dict] | None:
     """<function=NAME><parameter=K>V</parameter>...</function> -> (NAME, {K: V}); a value is
-    JSON where that parses and its parameter is not declared a string, else the text."""
+    the text, or JSON where that parses and its schema declares types none of which is string
+    (a zip code "12345" stays text where a string is allowed; undeclared parameters stay text)."""
     m = _FUNCTION.fullmatch(body)
     if m is None:
         return None
     name, args = m.group(1).strip(), {}
     for key, value in _PARAMETER.findall(m.group(2)):
         key = key.strip()
-        if types.get(name, {}).get(key) != "string":
+        allowed = types.get(name, {}).get(key) or {"string"}
+        if "string" not in allowed:
             try:
                 value = _strict_json(value)
             except ValueError:
@@ -63,10 +83,11 @@ def _xml_call(body: str, types: dict) -> tuple[str, dict] | None:
 
 
 def parse_call(body: str, types: dict | None = None) -> dict | None:
-    """One block -> an OpenAI tool call (arguments as a JSON string), or None. types: the
-    request's param_types()."""
+    """One block -> an OpenAI tool call (arguments the text of a JSON object), or None where
+    the block is not a call: the client parses arguments as an object, so NaN / Infinity,
+    null or a bare string there leave the block as text. types: the request's param_types()."""
     try:
-        obj = json.loads(body)
+        obj = _strict_json(body)
     except ValueError:
         xml = _xml_call(body, types or {})
         if xml is None:
@@ -75,10 +96,19 @@ def parse_call(body: str, types: dict | None = None) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = _strict_json(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    try:
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:   # an XML value of 1e999: Infinity, not JSON
+        return None
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": obj["name"],
-                         "arguments": args if isinstance(args, str) else
-                         json.dumps(args, ensure_ascii=False)}}
+            "function": {"name": obj["name"], "arguments": text}}
 
 
 def _held(text: str, tags) -> int:
@@ -97,6 +127,7 @@ class ToolCallParser:
     def __init__(self, types: dict | None = None, thinking: bool = False):
         self.buf, self.inside, self.calls = "", False, 0
         self.types, self.thinking = types or {}, thinking
+        self.begun = thinking   # past the reply's start: a later <think> is just text
 
     def push(self, piece: str) -> list[tuple[str, object]]:
         self.buf += piece
@@ -116,18 +147,23 @@ class ToolCallParser:
                 text(self.buf[:j + len(UNTHINK)])
                 self.buf, self.thinking = self.buf[j + len(UNTHINK):], False
             elif not self.inside:
-                i, k = self.buf.find(OPEN), self.buf.find(THINK)
-                if k >= 0 and (i < 0 or k < i):
+                i = self.buf.find(OPEN)
+                k = -1 if self.begun else self.buf.find(THINK)
+                if k >= 0 and self.buf[:k].strip() == "" and (i < 0 or k < i):
                     text(self.buf[:k + len(THINK)])
-                    self.buf, self.thinking = self.buf[k + len(THINK):], True
+                    self.buf, self.thinking, self.begun = self.buf[k + len(THINK):], True, True
                     continue
                 if i < 0:
-                    cut = len(self.buf) - _held(self.buf, (OPEN, THINK))
+                    tags = (OPEN,) if self.begun else (OPEN, THINK)
+                    cut = len(self.buf) - _held(self.buf, tags)
+                    if not self.begun and self.buf[:cut].strip():
+                        self.begun = True   # text first: no <think> can open reasoning now
+                        continue
                     text(self.buf[:cut])
                     self.buf = self.buf[cut:]
                     return out
                 text(self.buf[:i])
-                self.buf, self.inside = self.buf[i + len(OPEN):], True
+                self.buf, self.inside, self.begun = self.buf[i + len(OPEN):], True, True
             else:
                 j = self.buf.find(CLOSE)
                 if j < 0:

@@ -13,7 +13,7 @@ import pytest
 import engine
 from engine.runtime import Engine, GenerationParams
 from engine.serve import create_app
-from engine.toolcalls import ToolCallParser, split_reply
+from engine.toolcalls import ToolCallParser, param_types, parse_call, split_reply
 from test_serve import CONFIG, HELLO, NAME, ServerThread, build_random_qwen3_moe
 
 CALL = {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "C"}}
@@ -78,7 +78,9 @@ def test_qwen35_xml_calls_and_reasoning():
     xml = ("<think>\nMaybe <tool_call> get_weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
            "<parameter=city>\nZürich\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
            "<parameter=zip>\n8001\n</parameter>\n</function>\n</tool_call>")
-    types = {"get_weather": {"city": "string", "days": "integer", "zip": "string"}}
+    types = param_types([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "zip": {"type": "string"}}}}}])
     for cut in range(1, len(xml)):
         p = ToolCallParser(types)
         ev = p.push(xml[:cut]) + p.push(xml[cut:]) + p.flush()
@@ -101,6 +103,43 @@ def test_odd_schemas_and_values():
         {"f": {}, "g": {}}
     call = parse_call("<function=f>\n<parameter=x>\nNaN\n</parameter>\n</function>")
     assert json.loads(call["function"]["arguments"]) == {"x": "NaN"}
+
+
+def test_values_typed_by_what_the_schema_allows():
+    """A value is JSON only where its schema allows no string: Optional[str] (a type list, or
+    Pydantic's anyOf) keeps "12345" text, and so does a parameter the schema does not declare;
+    a value whose </parameter> the model left out ends at the next parameter or the body."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "zip": {"type": ["string", "null"]}, "id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "n": {"type": "integer"}, "flag": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}}}]
+    types = param_types(tools)
+    assert types["f"] == {"zip": {"string", "null"}, "id": {"string", "null"}, "n": {"integer"},
+                          "flag": {"boolean", "null"}}
+    body = ("<function=f>\n<parameter=zip>\n12345\n</parameter>\n<parameter=id>\n007\n"
+            "</parameter>\n<parameter=n>\n12\n</parameter>\n<parameter=flag>\ntrue\n</parameter>\n"
+            "<parameter=extra>\n42\n</parameter>\n</function>")
+    assert json.loads(parse_call(body, types)["function"]["arguments"]) == \
+        {"zip": "12345", "id": "007", "n": 12, "flag": True, "extra": "42"}
+    open_ended = "<function=f>\n<parameter=zip>\n8001\n<parameter=n>\n3\n</function>"
+    assert json.loads(parse_call(open_ended, types)["function"]["arguments"]) == \
+        {"zip": "8001", "n": 3}
+
+
+@pytest.mark.parametrize("args", ['{"x": NaN}', "null", '"hello"', "[1, 2]", '"{\\"a\\": Infinity}"'])
+def test_arguments_that_are_no_json_object_leave_the_block_text(args):
+    text = '<tool_call>{"name": "f", "arguments": ' + args + '}</tool_call>'
+    assert split_reply(text) == (text, "", [])
+
+
+def test_think_opens_reasoning_only_at_the_reply_start():
+    """A <think> the answer mentions is text: the call after it is still read."""
+    reply = 'Use the <think> tag. <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    content, _, calls = split_reply(reply)
+    assert content == "Use the <think> tag." and [c["function"]["name"] for c in calls] == ["f"]
+    for cut in range(1, len(reply)):
+        assert [k for k, _ in events_of(reply, [cut])].count("call") == 1, cut
+    lead = '\n<think>a <tool_call>{"name": "f", "arguments": {}}</tool_call></think>ok'
+    assert split_reply(lead) == (lead, "", [])
 
 
 def test_split_reply():
@@ -165,8 +204,9 @@ def test_server_returns_tool_calls(srv):
 
 def test_tool_choice_and_history_arguments(srv):
     """tool_choice none: blocks stay text; a value the API does not define is refused; the
-    history's arguments (a JSON string in the API) reach the template as an object, which
-    Qwen3.5's template iterates."""
+    history's arguments (a JSON string in the API) reach the template as an object (Qwen3.5's
+    template iterates it, Qwen2.5's prints it through tojson), as the client's string where
+    that fails (DeepSeek's concatenate it)."""
     c = srv.client()
     r = c.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, tool_choice="none",
                                   max_tokens=400)
@@ -194,13 +234,20 @@ def test_tool_choice_and_history_arguments(srv):
 
         def apply_chat_template(self, m, add, tools, **kw):
             return self.chat_template.render(m, add, tools, **kw)
-    # DeepSeek's templates concatenate the string; Qwen3.5's iterate the object's items
+    # DeepSeek's templates concatenate the string; Qwen3.5's iterate the object's items;
+    # Qwen2.5's print it through tojson (a string there would be encoded twice)
     concat = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
               "{{ '<call>' + c.function.name + ':' + c.function.arguments }}{% endfor %}{% endfor %}")
     items = ("{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in "
              "c.function.arguments|items %}<{{ k }}={{ v }}>{% endfor %}{% endfor %}{% endfor %}")
+    tojson = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+              "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
     assert _render(Tok(concat), history, True, None, {}) == '<call>get_weather:{"city": "Paris"}'
     assert _render(Tok(items), history, True, None, {}) == "<city=Paris>"
+    assert _render(Tok(tojson), history, True, None, {}) == '{"city": "Paris"}'
+    odd = [history[0], {**history[1], "tool_calls": [
+        {**call, "function": {"name": "f", "arguments": "not json"}}]}]   # left as it came
+    assert _render(Tok(concat), odd, True, None, {}) == "<call>f:not json"
 
 
 def test_without_tools_or_cut_short_the_text_is_content(srv):
