@@ -65,14 +65,12 @@ class Chat:
             drop += 1
 
     def say(self, user: str, out) -> dict:
-        """One turn: the reply streams to out; returns the engine's stats. (The engine cuts
-        max_new_tokens to the context's room and refuses a prompt that does not fit.)"""
+        """One turn: the reply streams to out; returns the engine's stats (with "interrupted"
+        when Ctrl-C stopped the reply: what came so far stays the turn's answer, and the state
+        stays resumable). The oldest exchanges leave only once the turn has run. (The engine
+        cuts max_new_tokens to the context's room and refuses a prompt that does not fit.)"""
         from engine.tokenizer import StreamDecoder
         ids, dropped = self.prompt_ids(user)
-        self.turns = self.turns[2 * dropped:]
-        if dropped:
-            print(f"(the conversation outgrew the {self.m.max_context}-token context: the "
-                  f"{dropped} oldest exchange(s) left it)", file=sys.stderr)
         stats: dict = {}
         # gpt-oss (harmony): its reasoning to stderr, its answer to out and into the history
         parser = HarmonyParser() if uses_harmony(self.m.tokenizer) else None
@@ -88,11 +86,20 @@ class Chat:
             out.flush()
 
         stop = set(self.m.eos_ids)
-        for tid in self.m.stream(ids, self.params, stats):
-            if tid in stop:
-                break
-            reply.append(tid)
-            show(dec.push(tid))
+        gen = self.m.stream(ids, self.params, stats)
+        try:
+            for tid in gen:
+                if tid in stop:
+                    break
+                reply.append(tid)
+                show(dec.push(tid))
+        except KeyboardInterrupt:   # Ctrl-C stops the reply, not the chat
+            gen.close()
+            stats["interrupted"] = True
+            if not reply:
+                out.write("\n")
+                out.flush()
+                return stats   # nothing said: the turn did not happen
         show(dec.flush())
         for kind, text in parser.flush() if parser else []:
             if kind == "text":
@@ -101,7 +108,11 @@ class Chat:
         out.write("\n")
         out.flush()
         content = "".join(answer) if parser else self.m.tokenizer.decode(reply)
-        self.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": content}]
+        if dropped:
+            print(f"(the conversation outgrew the {self.m.max_context}-token context: the "
+                  f"{dropped} oldest exchange(s) left it)", file=sys.stderr)
+        self.turns = self.turns[2 * dropped:] + [{"role": "user", "content": user},
+                                                 {"role": "assistant", "content": content}]
         return stats
 
     def reset(self) -> None:
@@ -136,7 +147,11 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         if tty:
             stdout.write(">>> ")
             stdout.flush()
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:   # Ctrl-C at the prompt: leave, as end of input does
+            stdout.write("\n")
+            return 0
         if not line or line.strip() == "/exit":
             return 0
         user = line.rstrip("\n")
@@ -150,6 +165,9 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             s = chat.say(user, stdout)
         except errors as e:
             print(f"error: {e}", file=sys.stderr)
+            continue
+        if s.get("interrupted") or "decode_tok_s" not in s:
+            print("[interrupted]", file=sys.stderr)
             continue
         print(f"[{s['prefill_tokens']} prompt tokens, {s['prefill_cached_tokens']} resumed, "
               f"prefill {s['prefill_tok_s']:.1f} tok/s | {s['decode_tokens']} decoded at "

@@ -31,9 +31,12 @@ def uses_harmony(tokenizer) -> bool:
 
 class HarmonyParser:
     """Reply text in pieces -> events in order: ("reasoning", str), ("text", str) and ("call",
-    tool call dict)."""
+    tool call dict). calls: False where the request allows none (tool_choice "none"): an
+    addressed message is then text."""
 
-    def __init__(self):
+    def __init__(self, calls: bool = True):
+        self.allow_calls = calls
+        self.started = False    # a <|start|> came after the last message's end: role text follows
         self.buf = ""
         self.role = ""          # text after <|start|> (or the reply's start) until <|channel|>
         self.state = "start"    # start | body (a message's text) | header (after <|channel|>) | between
@@ -72,8 +75,8 @@ class HarmonyParser:
         out: list[tuple[str, object]] = []
         self._text(self.buf, out)
         self.buf = ""
-        if self.state == "start" and self.role:   # no marker came: it was all content
-            out.append(("text", self.role))
+        if self.role and (self.state == "start" or self.state == "between" and not self.started):
+            out.append(("text", self.role))   # no marker came, or text after an end: content
             self.role = ""
         if self.kind == "args" and self.args:   # a call the reply did not finish: its text
             out.append(("text", self.args))
@@ -105,14 +108,15 @@ class HarmonyParser:
         elif mark == "<|message|>":
             channel = self.header.split(maxsplit=1)[0] if self.header.split() else ""
             to = _TO.search(self.to_text + " " + self.header + " " + self.role)
-            self.tool = to.group(1) if to else None
+            self.tool = to.group(1) if to and self.allow_calls else None
             self.kind = ("args" if self.tool else "reasoning" if channel == "analysis" else "text")
             self.state, self.args = "body", ""
         elif mark == "<|constrain|>":
             if self.state == "header":
                 self.header += " "
         elif mark in ENDS or mark == "<|start|>":
-            if self.state == "start" and self.role:   # text before any header: content
+            stray = self.state == "start" or self.state == "between" and not self.started
+            if stray and self.role:   # text before any header, or between an end and a start
                 out.append(("text", self.role))
             if self.kind == "args" and self.state == "body":
                 if mark == "<|call|>":
@@ -124,3 +128,4 @@ class HarmonyParser:
                     out.append(("text", self.args))
                 self.args = ""
             self.state, self.kind, self.tool, self.role, self.to_text = "between", "text", None, "", ""
+            self.header, self.started = "", mark == "<|start|>"

@@ -127,7 +127,8 @@ class GenRequest:
     stream: bool
     include_usage: bool
     reply: str = "text"         # chat replies: "text" as it is, "tool_calls" (<tool_call> blocks ->
-                                # message.tool_calls) or "harmony" (gpt-oss's channels), engine/toolcalls.py
+                                # message.tool_calls) or "harmony" (gpt-oss's channels; "harmony-text"
+                                # where no tool calls are allowed), engine/toolcalls.py
     tool_types: dict = field(default_factory=dict)   # param_types() of the request's tools
     thinking: bool = False      # the prompt ends inside <think>: the reply starts as reasoning
 
@@ -268,7 +269,7 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
     ids = tokenizer.encode(text, add_special_tokens=False)   # the template writes its own BOS
     params = _sampling(body, model, len(ids), None)
     calls = bool(tools) and choice != "none"
-    reply = ("harmony" if uses_harmony(tokenizer) else
+    reply = (("harmony" if calls else "harmony-text") if uses_harmony(tokenizer) else
              "tool_calls" if calls and template_writes_calls(tokenizer.chat_template.source) else "text")
     return GenRequest("chat", ids, params, stop, stream, include_usage, reply,
                       param_types(tools) if calls else {}, text.rstrip().endswith("<think>"))
@@ -486,7 +487,8 @@ class Worker:
             return
         stats: dict = {}
         # harmony's channel markers are special tokens: kept for the reply's parser
-        dec, stop = StreamDecoder(eng.tokenizer, req.reply != "harmony"), StopMatcher(req.stop)
+        dec, stop = (StreamDecoder(eng.tokenizer, not req.reply.startswith("harmony")),
+                     StopMatcher(req.stop))
         outcome = "cancelled"               # unless the loop ends by itself: "stop" or "length"
         t0 = time.perf_counter()
         job.emit("start")

@@ -185,11 +185,11 @@ class ToolCallParser:
 
 def reply_parser(kind: str, types: dict | None = None, thinking: bool = False):
     """The parser of a reply format: "tool_calls" (the blocks above; types: param_types(),
-    thinking: the reply starts inside <think>) or "harmony" (gpt-oss's channels,
+    thinking: the reply starts inside <think>) or "harmony" / "harmony-text" (gpt-oss's channels,
     engine/harmony.py). Both turn text pieces into ("text" | "reasoning" | "call") events."""
-    if kind == "harmony":
+    if kind in ("harmony", "harmony-text"):   # -text: the request allows no tool calls
         from engine.harmony import HarmonyParser
-        return HarmonyParser()
+        return HarmonyParser(calls=kind == "harmony")
     return ToolCallParser(types, thinking)
 
 

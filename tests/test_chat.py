@@ -88,3 +88,34 @@ def test_no_chat_template_is_refused(tmp_path, capsys):
     d = build_random_model(tmp_path / "m", CONFIG)
     assert main(["--model", str(d), "--device", "cpu"], stdin=io.StringIO("Hi\n")) == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_the_reply_not_the_chat(model_dir, capsys):
+    """Ctrl-C during a reply keeps what came so far as the answer and the chat goes on (the next
+    turn resumes the state); a refused turn leaves the history as it was; Ctrl-C at the prompt
+    leaves with status 0."""
+    m = engine.load(model_dir, device="cpu")
+    chat = Chat(m, None, GenerationParams(12, 0.0), {})
+    stream = m.stream
+
+    def interrupted(ids, params, stats):
+        for i, t in enumerate(stream(ids, params, stats)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield t
+    m.stream = interrupted
+    s = chat.say("Hi", io.StringIO())
+    assert s["interrupted"] and len(chat.turns) == 2 and chat.turns[1]["content"]
+    m.stream = stream
+    s2 = chat.say("More", io.StringIO())
+    assert s2["prefill_cached_tokens"] > 0 and len(chat.turns) == 4
+    before = list(chat.turns)
+    m.max_context = 8    # the next prompt cannot fit: refused, and nothing is cut
+    with pytest.raises(ValueError):
+        chat.say("x " * 40, io.StringIO())
+    assert chat.turns == before
+
+    class CtrlC(io.StringIO):
+        def readline(self, *a):
+            raise KeyboardInterrupt
+    assert main(["--model", str(model_dir), "--device", "cpu"], stdin=CtrlC()) == 0

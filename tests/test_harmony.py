@@ -121,3 +121,23 @@ def test_server_splits_the_channels(srv):
     assert m.finish_reason == "tool_calls" and m.message.content is None
     assert [(t.function.name, json.loads(t.function.arguments)) for t in m.message.tool_calls] == \
         [("get_weather", {"city": "Paris"})]
+
+
+def test_no_calls_allowed_text_after_an_end_and_fresh_headers():
+    """tool_choice none: a message addressed to a function stays text; text after an end marker
+    with no header after it is content, not lost; a header does not carry over to the next
+    message (a bare <|start|>assistant<|message|> is neither the last channel nor its tool)."""
+    call = ("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+            '<|message|>{"city": "Paris"}<|call|>')
+    content, _, calls = split_reply(call, "harmony")
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    content, _, calls = split_reply(call, "harmony-text")
+    assert calls == [] and content == '{"city": "Paris"}'
+    assert split_reply("<|channel|>final<|message|>Hi<|end|>Trailing text", "harmony")[0] == \
+        "HiTrailing text"
+    assert split_reply("<|channel|>final<|message|>Hi<|end|><|start|>assistant", "harmony")[0] == "Hi"
+    two = ("<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|message|>plain<|return|>")
+    content, reasoning, _ = split_reply(two, "harmony")
+    assert (content, reasoning) == ("plain", "hmm")
+    after_call = (call + '<|start|>assistant<|message|>{"x": 1}<|call|>')
+    assert [c["function"]["name"] for c in split_reply(after_call, "harmony")[2]] == ["get_weather"]
