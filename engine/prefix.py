@@ -12,7 +12,8 @@ prefix with its ids. A recurrent state (Qwen3-Next / Qwen3.5 DeltaNet layers) ho
 the positions up to its end: a copy serves only a prompt that extends all of its ids. For those
 models the engine also keeps the state at the end of each prompt, so a next turn whose history
 differs from what was generated (a chat template that drops the reasoning of earlier turns)
-still resumes at the end of the last prompt.
+still resumes at the end of the last prompt; that copy keeps the prompt's last logits too, so the
+same prompt sent again (a retry, a UI's "regenerate") starts decoding at once.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ class Saved:
     ids: list
     arrays: dict     # the state's host copy: the model's save_state()
     nbytes: int
+    logits: np.ndarray | None = None   # f32 [V] of its last position, where kept: then the same
+                                       # prompt again (a retry, "regenerate") needs no prefill
 
 
 class PrefixStore:
@@ -65,10 +68,12 @@ class PrefixStore:
         return sum(s.nbytes for s in self.items)
 
     def best(self, prompt, n: int) -> tuple[Saved | None, int]:
-        """The copy a prompt can start furthest into, and how far (0: none)."""
+        """The copy a prompt can start furthest into, and how far (0: none): at most n ids, or
+        all of the prompt where a copy holds exactly it and its last logits."""
         best, keep = None, 0
         for s in self.items:
-            k = usable(s.ids, prompt, n, self.rewinds)
+            k = len(s.ids) if s.logits is not None and s.ids == list(prompt) else \
+                usable(s.ids, prompt, n, self.rewinds)
             if k > keep:
                 best, keep = s, k
         return best, keep
@@ -78,11 +83,12 @@ class PrefixStore:
         return any(s.ids == ids or (self.rewinds and shared(s.ids, ids, len(ids)) == len(ids))
                    for s in self.items)
 
-    def add(self, ids, arrays) -> bool:
-        """Keep a copy of a state holding ids (False: larger than the whole budget). Copies it
-        makes redundant go (with a KV cache, those whose ids it begins with), then the least
-        recently used until it fits."""
-        s = Saved(list(ids), arrays, nbytes(arrays))
+    def add(self, ids, arrays, logits=None) -> bool:
+        """Keep a copy of a state holding ids (False: larger than the whole budget), with the
+        logits of its last position if given. Copies it makes redundant go (with a KV cache,
+        those whose ids it begins with), then the least recently used until it fits."""
+        s = Saved(list(ids), arrays, nbytes(arrays) + (0 if logits is None else logits.nbytes),
+                  None if logits is None else np.array(logits, dtype=np.float32))
         if s.nbytes > self.budget:
             return False
         self.items = [o for o in self.items

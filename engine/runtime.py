@@ -474,18 +474,21 @@ class Engine:
         n_new = min(params.max_new_tokens, budget)
         stop = set(self.eos_ids if params.stop_ids is None else params.stop_ids)
         rng = np.random.default_rng(params.seed)
-        st, keep, src = self._resume(prompt_ids, len(prompt_ids) + n_new)
+        st, keep, src, last = self._resume(prompt_ids, len(prompt_ids) + n_new)
         epoch = self._take_state()   # (_fed again once this generation ends cleanly)
         self.state = st
         t0 = time.perf_counter()
-        logits = self.model.forward(np.asarray(prompt_ids[keep:], dtype=np.int64), st)
+        if last is None:
+            logits = self.model.forward(np.asarray(prompt_ids[keep:], dtype=np.int64), st)
+        else:   # a saved copy holds the whole prompt and its last logits: nothing to prefill
+            logits = last[None]
         t1 = time.perf_counter()
         self._prompt_len = len(prompt_ids)
-        if self.prefix_cache and not self.model.rewinds and \
+        if self.prefix_cache and not self.model.rewinds and last is None and \
                 0 < st.save_nbytes(st.pos) <= self.saved.budget:
             # a recurrent state cannot go back: keep it at the prompt's end, for a next turn
-            # whose history differs from what this one generates
-            self.saved.add(prompt_ids, self.model.save_state(st, st.pos))
+            # whose history differs from what this one generates, and for the same prompt again
+            self.saved.add(prompt_ids, self.model.save_state(st, st.pos), np.asarray(logits[-1]))
         stats.update(prefill_tokens=len(prompt_ids), prefill_cached_tokens=keep,
                      prefill_cached_from=src, prefill_s=t1 - t0,
                      prefill_tok_s=(len(prompt_ids) - keep) / max(t1 - t0, 1e-9), decode_tokens=0,
@@ -521,13 +524,14 @@ class Engine:
                 self._fed = (prompt_ids + out)[:st.pos] if clean else None
 
     def _resume(self, prompt_ids: list, need: int):
-        """(run state for need positions, keep, where from): the state that holds the longest
-        prefix of the prompt (keep ids of it, at most all but the last prompt id, whose logits
-        are wanted): the live state of the last generation, or a saved copy restored into a
-        state; else a fresh one (keep 0). The live state is saved first where the prompt would
+        """(run state for need positions, keep, where from, the prompt's last logits or None):
+        the state that holds the longest prefix of the prompt (keep ids of it, at most all but
+        the last prompt id, whose logits are wanted, unless a saved copy kept those): the live
+        state of the last generation, or a saved copy restored into a state; else a fresh one
+        (keep 0). The live state is saved first where the prompt would
         lose ids a later prompt may still share (_save_live)."""
         if not self.prefix_cache:
-            return self.model.new_state(need), 0, None
+            return self.model.new_state(need), 0, None, None
         n, fed, rewinds = len(prompt_ids) - 1, self._fed, self.model.rewinds
         live = usable(fed, prompt_ids, n, rewinds) if fed else 0
         copy, k = self.saved.best(prompt_ids, n)
@@ -537,11 +541,12 @@ class Engine:
         if fed and (use_copy or live < len(fed)):
             self._save_live(fed, live)
         if use_copy:
-            return self.model.restore_state(copy.arrays, need, k), k, "saved"
+            last = copy.logits if k == len(prompt_ids) else None
+            return self.model.restore_state(copy.arrays, need, k), k, "saved", last
         st = self.model.resume_state(self.state, need, live) if live else None
         if st is not None:
-            return st, live, "live"
-        return self.model.new_state(need), 0, None
+            return st, live, "live", None
+        return self.model.new_state(need), 0, None, None
 
     def _save_live(self, fed: list, live: int) -> None:
         """Copy the live state (holding fed) to host RAM before a prompt overwrites it, unless

@@ -231,6 +231,25 @@ def test_recurrent_state_kept_at_the_prompt_end(models):
     assert run(m, rec, p2, 2)[1]["prefill_cached_tokens"] == 0
 
 
+def test_same_prompt_again_starts_decoding_at_once(models):
+    """A recurrent model given the same prompt again (a retry, a UI's "regenerate") resumes all
+    of it from the copy kept at its end, with that copy's last logits: no forward pass prefills
+    anything, and the greedy continuation is the first run's (seeded sampling draws the same
+    ids too); the prompt-end copy is not saved a second time (the first run's live state is, for
+    a next turn that extends what it generated)."""
+    m, fresh, rec, rng, p1, out1 = first_turn(models, "hybrid", 12, 6)
+    calls = len(rec.history)
+    out2, s2 = run(m, rec, p1, 6)
+    assert (s2["prefill_cached_tokens"], s2["prefill_cached_from"]) == (len(p1), "saved")
+    assert out2 == out1
+    assert [len(ids) for ids, _ in rec.history[calls:]] == [1] * 5   # decode steps only
+    assert [len(c.ids) for c in m.saved.items if c.logits is not None] == [len(p1)]
+    params = GenerationParams(max_new_tokens=6, temperature=1.0, seed=7, stop_ids=())
+    a = list(m.stream(p1, params, {}))
+    b = list(m.stream(p1, params, {}))
+    assert a == b == list(fresh.stream(p1, params, {}))
+
+
 def test_store_keeps_what_serves_and_fits():
     """PrefixStore: the copy a prompt goes furthest into; a copy whose ids another begins with
     goes (KV cache) or stays (recurrent: it serves other prompts); least recently used out
