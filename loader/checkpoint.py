@@ -309,7 +309,14 @@ class Checkpoint:
                     "compressed-tensors checkpoints with FP8 (8-bit float), NVFP4 (4-bit float, "
                     "'nvfp4-pack-quantized') or 4- / 8-bit integer ('pack-quantized') weights")
             if kind == "INT":
+                group = (int(w.get("group_size") or 0) if w.get("strategy") == "group" else 0)
+                seen = self._int_opts.setdefault("group", group)
+                if seen != group:
+                    raise CheckpointError(
+                        f"{cfg_path}: quantization_config.config_groups give integer weights "
+                        f"group sizes {seen} and {group}; the engine reads one size for all")
                 self._int_layout = "ct"
+                self._int_opts["symmetric"] = bool(w.get("symmetric", True))
             if kind == "NVFP4" and w.get("group_size") not in (None, NVFP4_GROUP):
                 raise CheckpointError(
                     f"{cfg_path}: quantization_config.config_groups.{gname}.weights.group_size "
@@ -369,13 +376,19 @@ class Checkpoint:
                     f"zero_point {qc.get('zero_point', True)}; the engine reads 4-bit GEMM "
                     "AWQ checkpoints with zero points")
             self._int_opts = {"group": int(qc.get("group_size", qc.get("q_group_size", 128)))}
-        else:
-            fmt = qc.get("checkpoint_format", "gptq")
+        else:   # transformers' GPTQConfig names it format; checkpoint_format is the older key
+            fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+            if qc.get("is_marlin_format"):
+                fmt = "marlin"
             if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2"):
                 raise CheckpointError(
                     f"{cfg_path}: quantization_config is GPTQ {bits}-bit, checkpoint_format "
                     f"{fmt!r}; the engine reads 4- and 8-bit GPTQ checkpoints in the 'gptq' or "
                     "'gptq_v2' format")
+            if qc.get("dynamic"):
+                raise CheckpointError(
+                    f"{cfg_path}: quantization_config.dynamic gives some modules other bits or "
+                    "group sizes; the engine reads GPTQ checkpoints with one setting for all")
             self._int_opts = {"group": int(qc.get("group_size", 128)),
                               "zero_offset": 1 if fmt == "gptq" else 0}
         self._int_layout, self._int_opts["bits"] = method, int(bits)
@@ -435,6 +448,21 @@ class Checkpoint:
             return (a.astype(np.uint32) << 16).view(np.float32)
         return a.astype(np.float32)
 
+    def _ct_zeros(self, zp: TensorInfo | None, bits: int, n: int, g: int) -> np.ndarray:
+        """compressed-tensors zero points int16 [N, G] in the codes' signed domain: none (or a
+        symmetric recipe's) 0; packed along N into int32 as pack-quantized writes them; or an
+        int8 [N, G] as older releases stored them."""
+        from loader.quant import unpack_int32
+        if zp is None or self._int_opts.get("symmetric", True):
+            return np.zeros((n, g), np.int16)
+        a = self._stored(zp)
+        if zp.dtype == "I32" and a.shape == (-(-n * bits // 32), g):
+            return unpack_int32(a, bits, n, axis=0).astype(np.int16) - (1 << (bits - 1))
+        if zp.dtype == "I8" and a.shape == (n, g):
+            return a.astype(np.int16)
+        raise ValueError(f"{zp.name} is {zp.dtype} {list(a.shape)}; expected int32 "
+                         f"[{-(-n * bits // 32)}, {g}] (packed) or int8 [{n}, {g}]")
+
     def _dequant_int(self, name: str) -> np.ndarray:
         """An integer-quantized weight as float32 [N, K]: (q - zero) * scale, a group's zero
         point and scale for each column."""
@@ -447,18 +475,20 @@ class Checkpoint:
                 codes = unpack_int32(q, bits, k, axis=1).astype(np.int16) - off
                 scales = self._floats(parts["weight_scale"])            # [N, G]
                 g = scales.shape[1]
-                zp = parts.get("weight_zero_point")
-                zeros = (np.zeros((n, g), np.int16) if zp is None else
-                         unpack_int32(self._stored(zp), bits, n, axis=0).astype(np.int16) - off)
+                group = self._int_opts.get("group") or k   # 0: a scale a row (channel, tensor)
+                if g != -(-k // group):
+                    raise ValueError(f"{parts['weight_scale'].name} has {g} groups a row; "
+                                     f"expected {-(-k // group)} ({k} columns in groups of {group})")
+                zeros = self._ct_zeros(parts.get("weight_zero_point"), bits, n, g)
                 gi = parts.get("weight_g_idx")
                 groups = (self._stored(gi).astype(np.int64) if gi is not None
-                          else np.arange(k) // -(-k // g))
+                          else np.arange(k) // group)
                 return dequant_grouped_int(codes, zeros, scales, groups)
             scales = self._floats(parts["scales"]).T                    # [N, G]
             zeros = unpack_int32(self._stored(parts["qzeros"]), bits, n, axis=1)   # [G, N]
             if layout == "gptq":
                 codes = unpack_int32(q, bits, k, axis=0).T                   # [N, K]
-                zeros = zeros.astype(np.int16) + self._int_opts["zero_offset"]
+                zeros = (zeros.astype(np.int16) + self._int_opts["zero_offset"]) & ((1 << bits) - 1)
                 gi = parts.get("g_idx")
             else:   # AWQ: column c of each 8 sits in nibble ORDER.index(c)
                 cols = np.arange(n)

@@ -31,23 +31,27 @@ def quantized_linears(src):
     return lin, rest
 
 
-def int_codes(w, bits, sym, group, rng, zmin=0):
+def int_codes(w, bits, sym, group, rng):
     """w [N, K] -> (codes [N, K] int, zeros [N, G] int, scales [N, G] bf16-exact float32):
-    unsigned codes 0 .. 2^bits - 1 around a zero point (the middle one when sym; at least zmin:
-    GPTQ's 'gptq' format stores zero points less one, so it cannot hold 0)."""
+    unsigned codes 0 .. 2^bits - 1 around a zero point (the middle one when sym). K need not be
+    a multiple of group (the last group is short). Some zero points are 0 (GPTQ's 'gptq'
+    format stores a zero point less one: 0 as all ones)."""
     n, k = w.shape
-    g = w.reshape(n, k // group, group)
+    groups = torch.arange(k) // group
+    ng = int(groups[-1]) + 1
     top = (1 << bits) - 1
+    lo = torch.stack([w[:, groups == j].amin(-1) for j in range(ng)], 1)
+    hi = torch.stack([w[:, groups == j].amax(-1) for j in range(ng)], 1)
     if sym:
-        s = g.abs().amax(-1) / (top // 2)
+        s = torch.maximum(lo.abs(), hi.abs()) / (top // 2)
         z = torch.full(s.shape, (top + 1) // 2)
     else:
-        lo, hi = g.amin(-1), g.amax(-1)
+        lo[:, ::3] = lo[:, ::3].clamp(min=0)   # zero point 0 in every third group
         s = (hi - lo) / top
-        z = torch.round(-lo / s).clamp(zmin, top).long()
+        z = torch.round(-lo / s).clamp(0, top).long()
     s = s.to(torch.bfloat16).float()
-    q = torch.round(g / s[..., None] + z[..., None]).clamp(0, top).long()
-    return q.reshape(n, k), z.long(), s
+    q = torch.round(w / s[:, groups] + z[:, groups]).clamp(0, top).long()
+    return q, z.long(), s
 
 
 def dequantized(codes, zeros, scales, groups):
@@ -72,23 +76,23 @@ def write_reference(src, dst, weights):
     copy_config(src, dst)
 
 
-def ct_scheme(bits, sym):
+def ct_scheme(bits, sym, group=GROUP):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    args = dict(num_bits=bits, type="int", symmetric=sym, strategy="group", group_size=GROUP)
+    args = dict(num_bits=bits, type="int", symmetric=sym, strategy="group", group_size=group)
     return args, QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args))
 
 
-def write_ct(src, dst, bits, sym, rng):
+def write_ct(src, dst, bits, sym, rng, group=GROUP):
     """compressed-tensors 'pack-quantized', each weight compressed by compressed-tensors itself;
     returns its own decompression of each (the reference)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     lin, rest = quantized_linears(src)
-    args, scheme = ct_scheme(bits, sym)
+    args, scheme = ct_scheme(bits, sym, group)
     out, want = dict(rest), {}
     for p, w in lin.items():
-        codes, zeros, scales = int_codes(w, bits, sym, GROUP, rng)
+        codes, zeros, scales = int_codes(w, bits, sym, group, rng)
         off = 1 << (bits - 1)   # compressed-tensors' codes are signed: ours less the offset
-        w_q = dequantized(codes, zeros, scales, torch.arange(w.shape[1]) // GROUP)
+        w_q = dequantized(codes, zeros, scales, torch.arange(w.shape[1]) // group)
         local = {"weight": w_q, "weight_scale": scales.to(torch.bfloat16)}
         if not sym:
             local["weight_zero_point"] = (zeros - off).to(torch.int8)
@@ -113,18 +117,18 @@ def pack_words(u, bits, axis):
     return torch.from_numpy(np.moveaxis(words.view(np.int32), -1, axis).copy())
 
 
-def write_gptq(src, dst, bits, fmt, act_order, rng):
+def write_gptq(src, dst, bits, fmt, act_order, rng, key="checkpoint_format", group=GROUP):
     """GPTQ as AutoGPTQ stores it: qweight [K bits/32, N] packed along K, qzeros [G, N bits/32]
     (less one in the 'gptq' format), scales [G, N] fp16... here bf16-exact, g_idx [K]."""
     lin, rest = quantized_linears(src)
     out, want = dict(rest), {}
     for p, w in lin.items():
         n, k = w.shape
-        groups = torch.arange(k) // GROUP
+        groups = torch.arange(k) // group
         if act_order:   # columns quantized in another order: each column's group is g_idx
             groups = groups[torch.from_numpy(rng.permutation(k))]
         wg = w[:, torch.argsort(groups, stable=True)]   # the columns of each group together
-        codes_g, zeros, scales = int_codes(wg, bits, False, GROUP, rng, zmin=int(fmt == "gptq"))
+        codes_g, zeros, scales = int_codes(wg, bits, False, group, rng)
         codes = torch.empty_like(codes_g)
         codes[:, torch.argsort(groups, stable=True)] = codes_g
         want[p] = dequantized(codes, zeros, scales, groups)
@@ -133,8 +137,8 @@ def write_gptq(src, dst, bits, fmt, act_order, rng):
         out[p + "qzeros"] = pack_words(stored_z.T.numpy(), bits, 1)
         out[p + "scales"] = scales.T.to(torch.float16)
         out[p + "g_idx"] = groups.to(torch.int32)
-    write_folder(src, dst, out, {"quant_method": "gptq", "bits": bits, "group_size": GROUP,
-                                 "desc_act": act_order, "sym": False, "checkpoint_format": fmt})
+    write_folder(src, dst, out, {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                 "desc_act": act_order, "sym": False, key: fmt})
     return want
 
 
@@ -163,6 +167,8 @@ LAYOUTS = {
     "gptq-int4": lambda s, d, rng: write_gptq(s, d, 4, "gptq", False, rng),
     "gptq-int4-act-order-v2": lambda s, d, rng: write_gptq(s, d, 4, "gptq_v2", True, rng),
     "gptq-int8": lambda s, d, rng: write_gptq(s, d, 8, "gptq", False, rng),
+    "gptq-v2-as-format": lambda s, d, rng: write_gptq(s, d, 4, "gptq_v2", False, rng, "format"),
+    "gptq-groups-of-20": lambda s, d, rng: write_gptq(s, d, 4, "gptq", False, rng, group=20),
     "awq-int4": lambda s, d, rng: write_awq(s, d, rng),
 }
 
@@ -189,6 +195,27 @@ def test_int_checkpoint_matches_transformers(tmp_path, layout):
     check_against(hf_reference(tmp_path / "ref"), engine.load(tmp_path / "q", device="cpu"))
 
 
+def test_ct_unpacked_int8_zero_points(tmp_path):
+    """compressed-tensors zero points stored as int8 [N, G] (older releases), not packed: read
+    as they are, the same weights as the packed form."""
+    src = tmp_path / "f32"
+    build_hf_model(src, "qwen3_moe")
+    write_ct(src, tmp_path / "q", 4, False, np.random.default_rng())
+    raw = load_file(tmp_path / "q" / "model.safetensors")
+    ck = Checkpoint(tmp_path / "q")
+    from loader.quant import unpack_int32
+    for n in [k for k in raw if k.endswith("weight_zero_point")]:
+        rows = int(raw[n[:-len("zero_point")] + "shape"][0])
+        raw[n] = torch.from_numpy(np.ascontiguousarray(
+            unpack_int32(raw[n].numpy(), 4, rows, axis=0).astype(np.int8) - 8))
+    (tmp_path / "q8").mkdir()
+    save_file(raw, tmp_path / "q8" / "model.safetensors")
+    copy_config(tmp_path / "q", tmp_path / "q8")
+    ck8 = Checkpoint(tmp_path / "q8")
+    for w in ck.intq:
+        assert np.array_equal(ck8.get(w), ck.get(w)), w
+
+
 def test_int_checkpoint_packs(tmp_path):
     from test_packed import dequantized_copy
 
@@ -212,6 +239,8 @@ def test_int_checkpoint_errors(tmp_path):
     cfg = json.loads(cfg_path.read_text())
     for qc, match in (({"bits": 3}, "GPTQ 3-bit, checkpoint_format 'gptq'"),
                       ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+                      ({"is_marlin_format": True}, "checkpoint_format 'marlin'"),
+                      ({"dynamic": {"-:.*mlp.gate": {}}}, "quantization_config.dynamic"),
                       ({"quant_method": "awq", "version": "gemv"}, "AWQ version 'gemv'"),
                       ({"quant_method": "bitsandbytes"}, "quant_method is 'bitsandbytes'")):
         cfg_path.write_text(json.dumps({**cfg, "quantization_config":
