@@ -108,9 +108,9 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
                  for n in dense})},
             "source": str(ck.dir),
         }
-        if ck.fp8 or ck.nvfp4 or "quantization_config" in ck.config:
-            manifest["source_quantization"] = ck.config.get(
-                "quantization_config", {"quant_method": "nvfp4" if ck.nvfp4 else "fp8"})
+        if ck.fp8 or ck.nvfp4 or ck.quantization:
+            manifest["source_quantization"] = ck.quantization or {
+                "quant_method": "nvfp4" if ck.nvfp4 else "fp8"}
         # the manifest is written last: a folder without one is not a packed model
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         if dst.exists():

@@ -32,6 +32,8 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 FP8_SCALES = ("_scale_inv", "_scale")   # suffixes of an FP8 weight's scale tensor (q * scale)
 NVFP4_GROUP = 16                          # NVFP4 values a block scale covers
 TRANSPOSED_FUSED = ("gpt_oss",)           # model types whose fused experts are [E, K, N]
+# where AutoGPTQ and AutoAWQ wrote their settings before config.json's quantization_config
+SIDE_QUANT_CONFIGS = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
 
 
 class CheckpointError(ValueError):
@@ -247,6 +249,11 @@ class Checkpoint:
         """Refuses the quantization methods and formats the engine does not read; returns the
         declared FP8 block shape (None: derive it from each scale tensor's grid)."""
         qc = self.config.get("quantization_config") or {}
+        for side, kind in SIDE_QUANT_CONFIGS:   # older GPTQ / AWQ releases: a file of its own
+            if not qc and (self.dir / side).is_file():
+                qc = {"quant_method": kind, **self.json_file(side)}
+                cfg_path = self.dir / side
+        self.quantization = qc   # as declared (engine.pack records it in the manifest)
         method = qc.get("quant_method")
         if method == "modelopt":   # NVIDIA ModelOpt: NVFP4 (_find_nvfp4) or FP8 a tensor
             algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")

@@ -230,6 +230,32 @@ def test_int_checkpoint_packs(tmp_path):
     check_against(ref, engine.load(tmp_path / "packed", device="cpu"))
 
 
+def test_settings_in_an_older_side_file(tmp_path):
+    """Older AutoGPTQ / AutoAWQ releases keep their settings in quantize_config.json /
+    quant_config.json rather than config.json: read from there, and recorded when packed."""
+    from engine.pack import pack
+    rng = np.random.default_rng()
+    src = tmp_path / "f32"
+    build_hf_model(src, "qwen3_moe")
+    for write, side, settings in (
+            (lambda d: write_gptq(src, d, 4, "gptq", True, rng), "quantize_config.json",
+             {"bits": 4, "group_size": GROUP, "desc_act": True, "sym": False}),
+            (lambda d: write_awq(src, d, rng), "quant_config.json",
+             {"zero_point": True, "q_group_size": GROUP, "w_bit": 4, "version": "GEMM"})):
+        d = tmp_path / side
+        want = write(d)
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["quantization_config"]
+        (d / "config.json").write_text(json.dumps(cfg))
+        (d / side).write_text(json.dumps(settings))
+        ck = Checkpoint(d)
+        for p, w in want.items():
+            exact = w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            assert np.array_equal(ck.get(p + "weight"), exact), (side, p)
+    man = pack(tmp_path / "quant_config.json", tmp_path / "packed", experts="fp8", progress=False)
+    assert man["source_quantization"] == {"quant_method": "awq", **settings}
+
+
 def test_int_checkpoint_errors(tmp_path):
     rng = np.random.default_rng()
     src = tmp_path / "f32"
