@@ -254,6 +254,16 @@ def dequant_grouped_int(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
                         groups: np.ndarray) -> np.ndarray:
     """q [N, K] integer codes, zeros and scales [N, G], groups int [K] (each column's group)
     -> float32 [N, K]: (q - zero) * scale, in float32 as the checkpoints' readers do."""
+    groups = np.ascontiguousarray(groups, dtype=np.int64)
+    if groups.size and (groups.min() < 0 or groups.max() >= scales.shape[1]):
+        raise ValueError(f"a column's group index lies outside the {scales.shape[1]} groups")
+    return fast.grouped_int(np.ascontiguousarray(q), np.ascontiguousarray(zeros, dtype=np.int16),
+                            np.ascontiguousarray(scales, dtype=np.float32), groups)
+
+
+def dequant_grouped_int_ref(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
+                            groups: np.ndarray) -> np.ndarray:
+    """numpy reference of dequant_grouped_int."""
     z = zeros.astype(np.float32)[:, groups]
     s = scales.astype(np.float32)[:, groups]
     return (q.astype(np.float32) - z) * s

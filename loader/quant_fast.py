@@ -190,6 +190,15 @@ def _bf16_body(x, out):
         out[i] = np.uint16(b >> np.uint32(16)) | np.uint16(0x0040) if x[i] != x[i] else rounded
 
 
+def _grouped_int_body(q, zeros, scales, groups, out):
+    """q int [N, K], zeros int16 / scales f32 [N, G], groups int64 [K] (each column's group)
+    -> out f32 [N, K] = (q - zero) * scale (integer-quantized checkpoints, dequantized on read)."""
+    for n in prange(q.shape[0]):
+        for k in range(q.shape[1]):
+            g = groups[k]
+            out[n, k] = (np.float32(q[n, k]) - np.float32(zeros[n, g])) * scales[n, g]
+
+
 # ---- the two compiles, and who gets which ----------------------------------------------------
 
 def _compile(body):
@@ -203,6 +212,7 @@ _NVFP4 = _compile(_nvfp4_body)
 _FP8 = _compile(_fp8_body)
 _E4M3 = _compile(_e4m3_body)
 _BF16 = _compile(_bf16_body)
+_GROUPED_INT = _compile(_grouped_int_body)
 _serial_only = threading.local()
 
 
@@ -279,4 +289,13 @@ def bf16(x: np.ndarray) -> np.ndarray:
     """x f32 (any shape, C-contiguous) -> u16 bfloat16 bits of the same shape."""
     out = np.empty(x.shape, np.uint16)
     _pick(_BF16)(x.reshape(-1), out.reshape(-1))
+    return out
+
+
+def grouped_int(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
+                groups: np.ndarray) -> np.ndarray:
+    """q int [N, K] (C-contiguous), zeros int16 [N, G], scales f32 [N, G], groups int64 [K]
+    -> f32 [N, K]: (q - zeros[:, groups]) * scales[:, groups]."""
+    out = np.empty(q.shape, np.float32)
+    _pick(_GROUPED_INT)(q, zeros, scales, groups, out)
     return out

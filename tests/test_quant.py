@@ -329,3 +329,19 @@ def test_encode_throughput_print():
             f, r = one.submit(gbps, fast, 30).result(), one.submit(gbps, ref, 2).result()
             print(f"{name} [768, 2048]: numba {f:.2f} GB/s, numpy {r:.2f} GB/s per core "
                   f"(CPU time) = {f / r:.0f}x")
+
+
+def test_grouped_int_dequant_matches_reference():
+    """The numba dequantizer of integer checkpoints against the numpy reference, on a
+    transposed (non-contiguous) code array and act-order groups; a group index past the scales
+    is refused."""
+    rng = np.random.default_rng()
+    n, k, g = 37, 70, 5
+    codes = rng.integers(0, 16, (k, n)).astype(np.uint8).T       # [N, K], a transposed view
+    zeros = rng.integers(0, 16, (n, g)).astype(np.int16)
+    scales = rng.random((n, g)).astype(np.float32)
+    groups = rng.permutation(np.arange(k) * g // k)
+    assert np.array_equal(Q.dequant_grouped_int(codes, zeros, scales, groups),
+                          Q.dequant_grouped_int_ref(codes, zeros, scales, groups))
+    with pytest.raises(ValueError, match="outside the 5 groups"):
+        Q.dequant_grouped_int(codes, zeros, scales, groups + 1)
