@@ -51,6 +51,10 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
     ck.require(fam.dense_spec)
     ck.require(fam.expert_spec)
     ck.tokenizer_path()
+    if experts == "nvfp4" and c.moe_layers and \
+            any(n in ck.intq for n in expert_names(c.family, c.moe_layers[0], 0)):
+        print(f"{ck.dir}: its integer-quantized experts are re-quantized into NVFP4, whose grid is "
+              "not theirs; --experts fp8 stays closer to them (bf16 keeps them)", file=sys.stderr)
     t0 = time.perf_counter()
     tmp = dst.with_name(f".{dst.name}.packing-{os.getpid()}")
     if tmp.exists():
