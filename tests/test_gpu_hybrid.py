@@ -421,6 +421,29 @@ def test_prefix_cache_resumes_at_the_prompt_end(tmp_path):
 
 
 @pytest.mark.gpu
+def test_same_prompt_again_prefills_nothing(tmp_path):
+    """cuda, prefix cache on: the same prompt again (regenerate) resumes all of it from the
+    prompt-end copy and its logits, with no prefill pass, and decodes a fresh engine's greedy
+    and seeded tokens."""
+    import engine
+    from conftest import record_prefills
+    from engine.pack import pack
+    from engine.runtime import GenerationParams
+    _tiny(tmp_path / "src", "qwen3_next", num_experts=8, num_experts_per_tok=2)
+    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
+    m = engine.load(tmp_path / "p", device="cuda", prefix_cache=True)
+    fresh = engine.load(tmp_path / "p", device="cuda")
+    p1 = np.random.default_rng().integers(0, 250, 12).tolist()
+    out1 = m.generate(p1, max_new_tokens=6).output_ids
+    prefills = record_prefills(m)
+    r2 = m.generate(p1, max_new_tokens=6)
+    assert (r2.stats["prefill_cached_tokens"], r2.stats["prefill_cached_from"]) == (12, "saved")
+    assert prefills == [] and r2.output_ids == out1 == fresh.generate(p1, max_new_tokens=6).output_ids
+    params = GenerationParams(max_new_tokens=6, temperature=1.0, seed=3, stop_ids=())
+    assert list(m.stream(p1, params, {})) == list(fresh.stream(p1, params, {}))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
 def test_graph_replay_equals_eager(tmp_path, resident):
     from conftest import check_graph_replay_equals_eager
