@@ -280,3 +280,24 @@ def test_int_checkpoint_errors(tmp_path):
     save_file(raw, tmp_path / "q" / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"{name}qweight needs {name}qzeros beside it"):
         Checkpoint(tmp_path / "q")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["gptq-int4", "awq-int4"])   # (the GPU machine has no
+                                                                # compressed-tensors package)
+def test_cuda_matches_cpu(tmp_path, layout):
+    """cuda on an integer checkpoint, unpacked (experts built as bf16 blocks on read) and packed
+    into an fp8 arena: the cpu backend's logits and tokens on the same folder."""
+    from conftest import rel_err
+
+    from engine.pack import pack
+    src = tmp_path / "f32"
+    build_hf_model(src, "qwen3_moe")
+    LAYOUTS[layout](src, tmp_path / "q", np.random.default_rng())
+    pack(tmp_path / "q", tmp_path / "packed", experts="fp8", progress=False)
+    ids = np.random.default_rng().integers(0, 300, 12).tolist()
+    for d in (tmp_path / "q", tmp_path / "packed"):
+        g, c = engine.load(d, device="cuda"), engine.load(d, device="cpu")
+        assert rel_err(g.logits(ids), c.logits(ids)) < 1e-4, d
+        assert g.generate(ids[:5], max_new_tokens=16).output_ids == \
+            c.generate(ids[:5], max_new_tokens=16).output_ids, d

@@ -242,3 +242,13 @@ def test_compressed_tensors_reads_as_its_own_decompressor(tmp_path):
         got = ck.get_f32(name)
         assert got.shape == want.shape
         assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want)), name
+
+
+@pytest.mark.gpu
+def test_compressed_tensors_packed_on_cuda(nvfp4_model, tmp_path):
+    """An NVFP4 checkpoint's bytes in an arena (the compressed-tensors global stored as its
+    reciprocal) on cuda: the exact reference's logits and tokens."""
+    from engine.pack import pack
+    path, _, ref = nvfp4_model
+    pack(path, tmp_path / "packed", experts="nvfp4", progress=False)
+    check_against(ref, engine.load(tmp_path / "packed", device="cuda"))
