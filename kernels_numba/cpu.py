@@ -330,14 +330,6 @@ def _decode_row(fmt, block, q_off, s_off, gscale, r, k, kp, buf, tmp):
 
 
 @njit(inline="always")
-def _dot(a, b, k):
-    acc = np.float32(0.0)
-    for j in range(k):
-        acc += a[j] * b[j]
-    return acc
-
-
-@njit(inline="always")
 def _rows_nvfp4(block, q_off, s_off, gscale, r, kp, x, k, pairs):
     """dot(row r of an NVFP4 matrix, x[:k]); row stride kp/2 bytes, kp/16 scales. pairs: f32
     scratch [kp / 2]: each byte's two products first (one vectorized pass), then the sums of
@@ -406,17 +398,17 @@ def expert_block_mlp(fmt, block, lay, x, out, clamped, bias, alpha, limit):
 
     fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). clamped: gpt-oss's activation
     (_glu) with alpha and limit; bias f32 [2I + H] (gate, up, down biases) or empty. One token:
-    each row is dotted with it as it is read (_row_dot). More: each row is decoded once into a
-    float32 scratch row, then dotted with every token's input (a 16-token group 3x faster in fp8
-    and NVFP4; one token 2.2x slower in bf16 and 1.3x in fp8 that way, on the CPU machine).
-    Rows are taken in tasks of ROWS_A_TASK, each with its scratch."""
+    each row is dotted with it as it is read (_row_dot), rows in tasks of ROWS_A_TASK, each with
+    its scratch. More: rows are decoded once into float32 scratch rows and summed with 4 tokens
+    at a time (_sums4x4; decoding a row for one token made bf16 2.2x and fp8 1.3x slower on the
+    CPU machine)."""
     h, i_dim, hp, ip = lay[6], lay[7], lay[8], lay[9]
     gs = block[0:12].view(np.float32)
     t = x.shape[0]
     biased = bias.shape[0] > 0
     alpha, limit = np.float32(alpha), np.float32(limit)
-    act = np.empty((t, i_dim), dtype=np.float32)
     if t == 1:
+        act = np.empty((1, i_dim), dtype=np.float32)
         for c in prange((i_dim + ROWS_A_TASK - 1) // ROWS_A_TASK):
             pairs = np.empty(hp // 2, dtype=np.float32)
             for idx in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, i_dim)):
