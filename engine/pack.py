@@ -74,14 +74,13 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
             if experts == "nvfp4" and all(n in ck.nvfp4 for n in names):
                 # an NVFP4 checkpoint's bytes are the arena's: copied, not re-quantized
                 return {m: ck.nvfp4_parts(n) for m, n in zip(MATRICES, names)}
-            if experts == "nvfp4" and all(n in ck.derived for n in names):
+            mx = [ck.mxfp4_parts(n) for n in names] if experts == "nvfp4" else [None]
+            if all(p is not None for p in mx):
                 # MXFP4 (gpt-oss): the same E2M1 bytes, each power-of-two scale re-expressed
-                mx = [ck.mxfp4_parts(n) for n in names]
-                parts = [None if p is None else nvfp4_from_mxfp4(*p) for p in mx]
+                parts = [nvfp4_from_mxfp4(*p) for p in mx]
                 if all(p is not None for p in parts):
                     return dict(zip(MATRICES, parts))
-                if all(p is not None for p in mx):
-                    requantized.append((layer, e))
+                requantized.append((layer, e))
             return tuple(ck.get_f32(n) for n in names)
 
         records = write_arena(tmp / ARENA_NAME, experts, layout, c.n_layers, c.n_experts, get_expert,
