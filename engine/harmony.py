@@ -75,13 +75,18 @@ class HarmonyParser:
         out: list[tuple[str, object]] = []
         self._text(self.buf, out)
         self.buf = ""
-        if self.role and (self.state == "start" or self.state == "between" and not self.started):
-            out.append(("text", self.role))   # no marker came, or text after an end: content
+        if self.role and self._stray():   # no marker came, or text after an end: content
+            out.append(("text", self.role))
             self.role = ""
         if self.kind == "args" and self.args:   # a call the reply did not finish: its text
             out.append(("text", self.args))
             self.args = ""
         return out
+
+    def _stray(self) -> bool:
+        """Whether the role text gathered now is content: before any marker, or between a
+        message's end and the next <|start|> (no header can follow it)."""
+        return self.state == "start" or self.state == "between" and not self.started
 
     def _text(self, text: str, out: list) -> None:
         if not text:
@@ -115,8 +120,7 @@ class HarmonyParser:
             if self.state == "header":
                 self.header += " "
         elif mark in ENDS or mark == "<|start|>":
-            stray = self.state == "start" or self.state == "between" and not self.started
-            if stray and self.role:   # text before any header, or between an end and a start
+            if self.role and self._stray():   # text before any header, or after an end
                 out.append(("text", self.role))
             if self.kind == "args" and self.state == "body":
                 if mark == "<|call|>":
