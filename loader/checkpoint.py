@@ -449,11 +449,15 @@ class Checkpoint:
                 self.tensors.pop(part.name, None)
             self.tensors[w] = TensorInfo(w, t.file, "BF16", (n, k), t.start, n * k * 2)
 
-    def _floats(self, t: TensorInfo) -> np.ndarray:
-        a = self._stored(t)
-        if t.dtype == "BF16":
+    @staticmethod
+    def _as_f32(a: np.ndarray, dtype: str) -> np.ndarray:
+        """Stored values of a safetensors dtype (bf16 as its bits) as float32."""
+        if dtype == "BF16":
             return (a.astype(np.uint32) << 16).view(np.float32)
-        return a.astype(np.float32)
+        return np.asarray(a, dtype=np.float32)
+
+    def _floats(self, t: TensorInfo) -> np.ndarray:
+        return self._as_f32(self._stored(t), t.dtype)
 
     def _ct_zeros(self, zp: TensorInfo | None, bits: int, n: int, g: int) -> np.ndarray:
         """compressed-tensors zero points int16 [N, G] in the codes' signed domain: none (or a
@@ -649,11 +653,7 @@ class Checkpoint:
             return dequant_nvfp4(q, s, g, 2 * q.shape[1])
         if name in self.intq:
             return self._dequant_int(name)
-        a = self.get(name)
-        dt = self.tensors[name].dtype
-        if dt == "BF16":
-            return (a.astype(np.uint32) << 16).view(np.float32)
-        return np.asarray(a, dtype=np.float32)
+        return self._as_f32(self.get(name), self.tensors[name].dtype)
 
     def require(self, expected: dict[str, tuple]) -> set[str]:
         """Prove completeness: every expected tensor present with its shape and a float dtype.
