@@ -13,6 +13,7 @@
 #      fused norms: the engine's state paths, the prefix cache's among them)
 #   f: the checkpoint formats on cuda: tests/test_int_checkpoint.py, tests/test_nvfp4_checkpoint.py
 #      (not yet run, 2026-12-02)
+#   ef: e and f side by side (three processes)
 # Both or all three of a group's processes run side by side: numba compiles on the CPU, so more
 # than two or three at once slow each other down (four side by side each ran past 250 s on
 # 2026-11-30; on 2026-12-01 b's two halves beside a third process each passed 331 s unfinished,
@@ -41,7 +42,9 @@ case "${1:-a}" in
        { run attention tests/test_attention_decode.py; run kv tests/test_kv_cache_bf16.py; } & wait ;;
     e) run engine tests/test_gpu_engine.py & run hybrid tests/test_gpu_hybrid.py & wait ;;
     f) run formats tests/test_int_checkpoint.py tests/test_nvfp4_checkpoint.py ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f" >&2; exit 2 ;;
+    ef) run engine tests/test_gpu_engine.py & run hybrid tests/test_gpu_hybrid.py &
+        run formats tests/test_int_checkpoint.py tests/test_nvfp4_checkpoint.py & wait ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
