@@ -191,8 +191,10 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
         if warm_ram:   # experts already in host RAM, as a peer that mmaps a cached model has them
             fill_ram_cache(m)
         prompt = rng.integers(0, m.config.vocab_size, prompt_len).tolist()
-        if route == "uniform":
+        if route == "uniform":   # (prefill and the per-layer path on the host, a streamed
+            # token graph on the device: the same distribution, no locality either way)
             m.gpu.route_override = uniform_router(m.config.n_experts, m.config.top_k)
+            m.gpu.device_route = "uniform"
             m.gpu.speculate = False
         # sampled, not greedy: a random-weight model repeats one token under greedy decoding,
         # which would route every step to the same experts

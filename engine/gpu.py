@@ -35,6 +35,8 @@ GEMM_MIN_T = 8           # below this many tokens the matvec kernel beats the ti
 # streamed decode as one graph a token, the host serving only the layers that miss VRAM
 # (MOE_STREAM_DEVICE_RESOLVE=0: a graph segment a layer, every layer's ids through the host)
 DEVICE_RESOLVE = os.environ.get("MOE_STREAM_DEVICE_RESOLVE", "1") != "0"
+# the streamed token graph reads RAM hits from pinned host memory itself (gm.expert_gather)
+DEVICE_GATHER = os.environ.get("MOE_STREAM_DEVICE_GATHER", "1") != "0"
 SERVE_TIMEOUT_S = 120.0  # a token graph that neither finishes nor asks for blocks this long
 
 
@@ -198,6 +200,7 @@ class GpuDecoder:
         # predictions miss (VramResidency.spec_useful); --speculate turns it on
         self.speculate = speculate
         self.route_override = None   # benchmarks: replace routing (host side) to force streaming
+        self.device_route = None     # benchmarks: "uniform" replaces routing on the device
         # per MoE layer: (dense done, copies done) events, timing the H2D stall of streamed decode
         self._events = {l: (cuda.event(), cuda.event()) for l in c.moe_layers}
         moe = list(c.moe_layers)
@@ -205,6 +208,10 @@ class GpuDecoder:
         self.slot_of_d = None   # int32 [L, E] device slot table (-1: not in VRAM, streamed)
         self._all_loaded = False  # every expert placed in its own slot (_resident_all)
         self.device_resolve = DEVICE_RESOLVE
+        self.device_gather = DEVICE_GATHER
+        self._route_captured = None
+        self._stage_dirty = False
+        self._stage_h = None    # int32 [L, K] staging slots of the gathered blocks (two banks)
         self._devres = False    # the captured graphs are the streamed one-graph kind
         self.rl_spec = cuda.device_array((1, c.n_experts), np.float32)
         self.ids_spec = cuda.device_array((1, c.top_k), np.int32)
@@ -604,6 +611,7 @@ class GpuDecoder:
         # sequence overwrites before it reads it (the feed runs first)
         b.tok_h[0], b.pos_h[0] = 0, st.max_context - 1
         self._devres = self._use_devres()
+        self._route_captured = self.device_route
         if self._devres:
             self._devres_setup()
         self._graphs = {k: capture_fn(f, cs) for k, f in self._segments(st).items()}
@@ -625,7 +633,8 @@ class GpuDecoder:
 
     def _use_devres(self) -> bool:
         return (self.device_resolve and self.use_graphs and not self.plan.all_resident
-                and not self.speculate and not self._dslot and self.route_override is None)
+                and not self.speculate and not self._dslot
+                and (self.route_override is None or self.device_route is not None))
 
     def _devres_setup(self) -> None:
         c = self.c
@@ -641,11 +650,70 @@ class GpuDecoder:
         self.seq_d = cuda.to_device(np.zeros(1, np.int32))
         self.req_h = cuda.mapped_array(1, np.int64)     # token number << REQ_SHIFT | layer
         self.req_h[0] = -1
-        self.ids_req_h = cuda.mapped_array((c.n_layers, c.top_k), np.int32)
+        self.ids_req_h = cuda.mapped_array((c.n_layers, 2 * c.top_k), np.int32)   # ids, slots
+        self.slots_all_h = cuda.pinned_array((c.n_layers, c.top_k), np.int32)
+        self._gather_setup()
         self._seq = 0
         self._done = cuda.event()
+        self._promoted = cuda.event()
         from engine.residency import DeviceWriter
         self._writer = DeviceWriter(self.xs)
+
+    def _gather_setup(self) -> None:
+        """The RAM cache's pinned buffers and block table as device arrays, and for each MoE
+        layer K slots out of the LRU's reach (stage_h): the streamed token graph copies a
+        RAM hit into its layer's slot on its own (gm.expert_gather), and after the token the
+        block stays there as an LRU entry (_promote_gathered). Only where the LRU keeps two
+        banks besides; without a mapped host tier, or with MOE_STREAM_DEVICE_GATHER=0, the
+        tables say "nothing held" and every miss goes to the host."""
+        c, res = self.c, self.res
+        view = getattr(res.host, "device_view", None)
+        view = view() if view is not None and self.device_gather else None
+        K, moe = c.top_k, list(c.moe_layers)
+        if self._stage_h is None and view is not None \
+                and len(res.free) + len(res.lru) >= K * (len(moe) + 2):
+            self._stage_h = cuda.pinned_array((c.n_layers, K), np.int32)
+            self._stage_h[:] = -1
+            for l in moe:
+                self._stage_h[l] = res.reserve(K)
+        self._gather = None
+        if view is not None and self._stage_h is not None:
+            pool_addr, n_buf, buf_bytes, table_addr = view
+
+            def dev(addr, shape, typestr):
+                return cuda.from_cuda_array_interface(
+                    {"shape": shape, "strides": None, "typestr": typestr, "data": (addr, False),
+                     "version": 3}, owner=res.host)
+            try:
+                self._gather = (dev(pool_addr, (n_buf, buf_bytes // 4), "<u4"),
+                                res.bank.view(np.uint32))
+                self.held_d = dev(table_addr, (c.n_layers, c.n_experts), "<i4")
+            except Exception as e:   # (a driver that will not map it: the host copies instead)
+                print(f"streamed decode: host RAM not readable by kernels ({e}); the host copies "
+                      f"every miss", file=sys.stderr)
+                self._gather = None
+        if self._gather is not None:
+            self.stage_d = cuda.to_device(np.asarray(self._stage_h))
+        else:
+            self.held_d = cuda.to_device(np.full((c.n_layers, c.n_experts), -1, np.int32))
+            self.stage_d = cuda.to_device(np.full((c.n_layers, K), -1, np.int32))
+
+    def _promote_gathered(self, l: int, ids, slots) -> None:
+        """Blocks the token graph gathered into layer l's staging slots become LRU entries
+        there (the table entries on the copy stream, ahead of the next token); each used
+        staging slot is replaced by a free slot or the LRU's oldest."""
+        res, st = self.res, self._stage_h[l]
+        pos = {int(v): k for k, v in enumerate(st)}
+        staged = [(int(e), int(s)) for e, s in zip(ids, slots) if int(s) in pos]
+        if not staged:
+            return
+        res.gathered(l, [e for e, _ in staged])
+        keep = {(l, int(e)) for e in ids}
+        for e, s in staged:
+            res.adopt((l, e), s)
+        for e, s in staged:
+            st[pos[s]] = res.reserve(1, keep=keep)[0]
+        self._stage_dirty = True
 
     def _serve_token(self) -> list:
         """While the token graph runs: serve the layers whose gate asks for blocks, until the
@@ -680,14 +748,19 @@ class GpuDecoder:
             raise
 
     def _serve_layer(self, l: int, seq: int):
-        ids = np.array(self.ids_req_h[l])
+        K = self.c.top_k
+        row = np.array(self.ids_req_h[l])
+        ids, slots = row[:K], row[K:].copy()   # the gate's slots: -1 where still missing
+        miss = slots < 0
+        self._served_missing[l] = set(ids[miss].tolist())
         ev0, ev1 = self._events[l]
         ev0.record(self.xs)
-        self.slots_h[l] = self.res.resolve(l, ids, wait=False)
+        slots[miss] = self.res.resolve(l, ids[miss], wait=False,
+                                       protect={(l, int(e)) for e in ids[~miss]})
+        self.slots_h[l] = slots
         self._writer.put(self.slots_d[l], self.slots_h[l])
         self._writer.set(self.flag_d, l, seq)
         ev1.record(self.xs)
-        self._served_layers.add(l)
         return ev0, ev1
 
     def _segments(self, st) -> dict:
@@ -700,10 +773,11 @@ class GpuDecoder:
                     self._seg_layer_dense(l, st, device_ids=True)
                     if l in c.moe_layers:
                         if self._devres:
-                            gm.expert_gate(self.slots_d[l], self.ids_all_d[l], self.seq_d,
-                                           self.flag_d, self.req_h, self.ids_req_h, l, cs)
+                            self._seg_gate(l)
                         self._seg_experts(l, True)
                 self.ids_all_d.copy_to_host(self.ids_all_h, stream=cs)   # every layer's at once
+                if self._devres:   # (which slots each layer used: the tier counts)
+                    self.slots_d.copy_to_host(self.slots_all_h, stream=cs)
                 self._seg_head()
             segs = {"feed": lambda s: self._seg_feed(), "token": token}
         else:
@@ -719,11 +793,44 @@ class GpuDecoder:
             segs[("sample", k)] = lambda s, k=k: self._seg_sample(k)
         return segs
 
+    def _seg_gate(self, l):
+        """Between a MoE layer's router and its experts in the streamed token graph: the
+        benchmark's routing, the blocks RAM holds copied in, then the stop for the rest."""
+        c, cs = self.c, self.cs
+        if self.device_route == "uniform":
+            gm.route_uniform(self.ids_all_d[l], self.slots_d[l], self.slot_of_d[l], self.seq_d,
+                             l, c.n_experts, cs)
+        if self._gather is not None:
+            gm.expert_gather(self.slots_d[l], self.ids_all_d[l], self.held_d[l], self.stage_d[l],
+                             *self._gather, cs)
+        gm.expert_gate(self.slots_d[l], self.ids_all_d[l], self.held_d[l], self.stage_d[l],
+                       self.seq_d, self.flag_d, self.req_h, self.ids_req_h, l, cs)
+
+    def _count_token_tiers(self) -> None:
+        """After a streamed token graph: VRAM hits the device resolved, and blocks it gathered
+        from host RAM (kept as LRU entries), per layer; a served layer's misses the host
+        counted in resolve."""
+        for l in self.c.moe_layers:
+            ids, slots = self.ids_all_h[l], self.slots_all_h[l]
+            missed = self._served_missing.get(l, ())
+            stage = set(self._stage_h[l].tolist()) if self._stage_h is not None else set()
+            self.res.touch(l, [int(e) for e, s in zip(ids, slots)
+                               if int(s) not in stage and int(e) not in missed])
+            if stage:
+                self._promote_gathered(l, ids, slots)
+        if self._stage_dirty:   # the next token's gathers go to the new staging slots
+            self._writer.put(self.stage_d, self._stage_h)
+            self._stage_dirty = False
+            # the table entries and the staging slots land before the next token reads them
+            self._promoted.record(self.xs)
+            self._promoted.wait(self.cs)
+
     def _decode_graphed(self, tid: int, st, sample: bool = False):
         """One token through the graphs -> logits float32 [1, V], or with sample its id drawn
         on the device with the setting in slot 0 of samp_h."""
         c, cs, b = self.c, self.cs, self.one
-        if self._graphs is not None and self._devres != self._use_devres():
+        if self._graphs is not None and (self._devres != self._use_devres()
+                                         or self._route_captured != self.device_route):
             self._drop_graphs()   # (a benchmark's routing override, speculation turned on)
         if self._graphs is None:
             self._capture(st)
@@ -738,7 +845,7 @@ class GpuDecoder:
                     self._seq = 0
                 self._seq += 1
                 self.seq_h[0] = self._seq
-                self._served_layers = set()
+                self._served_missing = {}
             # no deferred frees while a gate may wait on the host: a free can synchronize the
             # device, which would wait for the gate
             with cuda.defer_cleanup() if self._devres else contextlib.nullcontext():
@@ -750,9 +857,7 @@ class GpuDecoder:
                     served = self._serve_token()
             cs.synchronize()
             if self._devres:
-                for l in c.moe_layers:
-                    if l not in self._served_layers:
-                        self.res.touch(l, self.ids_all_h[l])
+                self._count_token_tiers()
                 self.res.stats.h2d_wait_s += 1e-3 * sum(
                     max(cuda.event_elapsed_time(a, z), 0.0) for a, z in served)
             else:

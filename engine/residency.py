@@ -27,6 +27,8 @@ class VramStats:
     ram_hits: int = 0
     disk_reads: int = 0
     h2d_bytes: int = 0
+    gathered: int = 0          # of ram_hits, blocks the GPU read from host RAM itself (counted
+                               # in h2d_bytes: they cross PCIe too)
     dense_h2d_bytes: int = 0   # of h2d_bytes, dense weights of layers streamed from host RAM
     host_wait_s: float = 0.0   # time the decode thread spent getting blocks from the host tier
     h2d_wait_s: float = 0.0    # decode: time the compute stream stood waiting for expert copies
@@ -298,6 +300,27 @@ class VramResidency:
         self.copied = bool(missing)
         self.stats.issue_s += time.perf_counter() - t0
         return [self.slot_of[k] for k in keys]
+
+    def reserve(self, n: int, keep=()) -> list[int]:
+        """n slots taken out of the LRU's reach (free ones first, then the oldest entries not
+        in keep), their table entries cleared."""
+        return [self.free.pop() if self.free else self._evict(keep) for _ in range(n)]
+
+    def adopt(self, key, slot: int) -> None:
+        """A reserved slot that now holds key's block (written on the device) joins the LRU."""
+        self.slot_of[key] = slot
+        self.lru[key] = slot
+        self._mirror(key, slot)
+
+    def gathered(self, layer: int, experts) -> None:
+        """Blocks the GPU read from host RAM into staging slots (gpu_misc.expert_gather)."""
+        n = len(experts)
+        self.stats.ram_hits += n
+        self.stats.gathered += n
+        self.stats.h2d_bytes += n * self.block_bytes
+        note = getattr(self.host, "note_hits", None)
+        if note is not None:
+            note(layer, experts)
 
     def touch(self, layer: int, experts) -> None:
         """VRAM hits the device resolved on its own (the streamed token graph)."""

@@ -138,6 +138,14 @@ class ArenaExperts:
     def contains(self, layer: int, expert: int) -> bool:
         return self.cache.contains(layer, expert)
 
+    def device_view(self):
+        """The RAM cache's pinned buffers and block table as kernels read them (or None)."""
+        return self.cache.device_view()
+
+    def note_hits(self, layer: int, experts) -> int:
+        """Blocks the GPU read from RAM on its own: hits for the cache's policy and counts."""
+        return self.cache.note_hits(layer, experts)
+
     def stats(self) -> dict:
         return {"source": "arena", "format": self.fmt, "ram_budget_bytes": self.budget,
                 **self.cache.stats_dict()}

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint64
 
-from .gpu_util import (SIM, cdiv, fence_system, pause, pdl_kernel, pdl_trigger, pdl_wait,
+from .gpu_util import (SIM, cdiv, fence_system, ld4, pause, pdl_kernel, pdl_trigger, pdl_wait,
                         putter)
 
 THREADS = 64 if SIM else 256
@@ -131,19 +131,27 @@ REQ_SHIFT = 16   # a request word: token number << REQ_SHIFT | layer
 
 @pdl_kernel
 @cuda.jit
-def _expert_gate(slots, ids, seq, flag, req, ids_out, layer):
+def _expert_gate(slots, ids, held, stage, seq, flag, req, ids_out, layer):
     """One thread. slots int32 [K] (the router's, -1 where the expert is not in VRAM), ids
-    int32 [K], seq int32 [1] (this token's number), flag int32 [L], req int64 [1] and ids_out
-    int32 [L, K] in mapped host memory."""
+    int32 [K], held int32 [E] (the layer's row of the host RAM cache's table, -1 where a block
+    is not there) and stage int32 [K] (the layer's staging slots; -1: no gather), seq int32 [1]
+    (this token's number), flag int32 [L], req int64 [1] and ids_out int32 [L, 2 K] in mapped
+    host memory."""
     pdl_wait()
     miss = False
     for k in range(slots.shape[0]):
         if slots[k] < 0:
-            miss = True
+            # expert_gather copied a block the RAM cache held into the staging slot
+            if stage[k] >= 0 and held[ids[k]] >= 0:
+                slots[k] = stage[k]
+            else:
+                miss = True
     if not miss:
         return
-    for k in range(ids.shape[0]):
+    K = ids.shape[0]
+    for k in range(K):
         ids_out[layer, k] = ids[k]
+        ids_out[layer, K + k] = slots[k]
     fence_system()                     # the ids before the request
     s = seq[0]
     req[0] = (int64(s) << REQ_SHIFT) | int64(layer)
@@ -154,11 +162,97 @@ def _expert_gate(slots, ids, seq, flag, req, ids_out, layer):
         cuda.atomic.max(slots, k, int32(0))
 
 
-def expert_gate(slots, ids, seq, flag, req, ids_out, layer: int, stream):
+def expert_gate(slots, ids, held, stage, seq, flag, req, ids_out, layer: int, stream):
     """The streamed token graph's stop before a MoE layer's experts: when the router mapped
-    every routed expert to a VRAM slot (slots >= 0) it passes; otherwise it hands the layer's
-    ids to the host (ids_out[layer], then req = seq << REQ_SHIFT | layer, both in mapped
-    memory: pass whole mapped arrays, not slices) and waits until the host, having copied the
-    missing blocks in and written their slots, sets flag[layer] to seq (on its copy stream,
-    after the copies)."""
-    _expert_gate[1, 1, stream](slots, ids, seq, flag, req, ids_out, int32(layer))
+    every routed expert to a VRAM slot (slots >= 0), or expert_gather brought it into its
+    staging slot, it passes; otherwise it hands the layer's ids and slots (-1: missing) to the
+    host (ids_out[layer], then req = seq << REQ_SHIFT | layer, both in mapped memory: pass
+    whole mapped arrays, not slices) and waits until the host, having copied the missing
+    blocks in and written their slots, sets flag[layer] to seq (on its copy stream, after the
+    copies)."""
+    _expert_gate[1, 1, stream](slots, ids, held, stage, seq, flag, req, ids_out, int32(layer))
+
+
+GATHER_BLOCKS = 2 if SIM else 32   # blocks an expert: about 4 MB of reads in flight for K = 8
+GATHER_UNROLL = 4                  # 16-byte loads a thread issues before its stores
+
+
+@pdl_kernel
+@cuda.jit
+def _expert_gather(slots, ids, held, stage, pool, bank):
+    """grid K * GATHER_BLOCKS, THREADS. pool uint32 [N, Wp] (the host RAM cache's pinned
+    buffers, mapped), bank uint32 [S, W] (VRAM slots), W a multiple of 4 * GATHER_UNROLL."""
+    pdl_wait()
+    pdl_trigger()
+    k = cuda.blockIdx.x // GATHER_BLOCKS
+    if slots[k] >= 0 or stage[k] < 0:
+        return
+    h = held[ids[k]]
+    if h < 0:
+        return
+    dst = stage[k]
+    W = bank.shape[1]
+    step = GATHER_BLOCKS * THREADS * 4 * GATHER_UNROLL
+    i = ((cuda.blockIdx.x % GATHER_BLOCKS) * THREADS + cuda.threadIdx.x) * 4 * GATHER_UNROLL
+    while i < W:
+        a0, a1, a2, a3 = ld4(pool, h, i)
+        b0, b1, b2, b3 = ld4(pool, h, i + 4)
+        c0, c1, c2, c3 = ld4(pool, h, i + 8)
+        d0, d1, d2, d3 = ld4(pool, h, i + 12)
+        bank[dst, i], bank[dst, i + 1], bank[dst, i + 2], bank[dst, i + 3] = a0, a1, a2, a3
+        bank[dst, i + 4], bank[dst, i + 5], bank[dst, i + 6], bank[dst, i + 7] = b0, b1, b2, b3
+        bank[dst, i + 8], bank[dst, i + 9], bank[dst, i + 10], bank[dst, i + 11] = c0, c1, c2, c3
+        bank[dst, i + 12], bank[dst, i + 13], bank[dst, i + 14], bank[dst, i + 15] = \
+            d0, d1, d2, d3
+        i += step
+
+
+def expert_gather(slots, ids, held, stage, pool, bank, stream):
+    """Before a MoE layer's gate in the streamed token graph: each routed expert with no VRAM
+    slot (slots[k] < 0) whose block the host RAM cache holds (held[ids[k]] = its pinned
+    buffer) is read by the SMs straight from pinned host memory over PCIe into the staging
+    slot stage[k] of bank, with no host round trip (the gate then takes that slot). slots,
+    ids, stage int32 [K]; held int32 [E]; pool uint32 [N, Wp] and bank uint32 [S, W] views."""
+    W = bank.shape[1]
+    if W % (4 * GATHER_UNROLL) or pool.shape[1] < W:
+        raise ValueError(f"expert_gather: VRAM slots of {W} words need a multiple of "
+                         f"{4 * GATHER_UNROLL} words and host buffers at least as wide "
+                         f"(got {pool.shape[1]})")
+    _expert_gather[slots.shape[0] * GATHER_BLOCKS, THREADS, stream](slots, ids, held, stage, pool,
+                                                                    bank)
+
+
+@pdl_kernel
+@cuda.jit
+def _route_uniform(ids, slots, slot_of, seq, layer, n_experts):
+    """One thread: K distinct experts from a hash of (token number, layer)."""
+    pdl_wait()
+    pdl_trigger()
+    z = uint64(seq[0]) * uint64(0x9E3779B97F4A7C15) + uint64(layer) * uint64(0xBF58476D1CE4E5B9)
+    K = ids.shape[0]
+    k = 0
+    while k < K:
+        z += uint64(0x9E3779B97F4A7C15)          # splitmix64
+        r = z
+        r = (r ^ (r >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
+        r = (r ^ (r >> uint64(27))) * uint64(0x94D049BB133111EB)
+        r = r ^ (r >> uint64(31))
+        e = int32(r % uint64(n_experts))
+        dup = False
+        for j in range(k):
+            if ids[j] == e:
+                dup = True
+        if not dup:
+            ids[k] = e
+            slots[k] = slot_of[e]
+            k += 1
+
+
+def route_uniform(ids, slots, slot_of, seq, layer: int, n_experts: int, stream):
+    """Benchmarks: replace a layer's routed ids (int32 [K], after the router) by K distinct
+    experts drawn uniformly from a hash of the token number seq[0] and the layer, and their
+    slots (int32 [K]) through slot_of (int32 [E]): routing without locality, on the device,
+    so the streamed token graph runs it."""
+    if n_experts < ids.shape[0]:
+        raise ValueError(f"route_uniform: {ids.shape[0]} distinct experts of {n_experts}")
+    _route_uniform[1, 1, stream](ids, slots, slot_of, seq, int32(layer), int32(n_experts))

@@ -270,6 +270,12 @@ class ExpertCache:
         self.policy_name, self.split = policy, split
         self._decay, self._use_cuda = decay, use_cuda
         self.pool = None
+        # (layer, expert) -> buffer of each ready block, -1 elsewhere, in pinned memory that
+        # kernels read (device_view): the GPU finds RAM hits without asking the host
+        self._table_pool = PinnedPool(1, n_layers * n_experts * 4, use_cuda=use_cuda)
+        self.table = self._table_pool.view(0)[:n_layers * n_experts * 4].view(np.int32).reshape(
+            n_layers, n_experts)
+        self.table[:] = -1
         self._size(budget_bytes)
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pins: set = set()              # keys of the last demand request
@@ -341,6 +347,19 @@ class ExpertCache:
                 self.policy.access(key)
                 self._count_hit(self._entries[key])
             return [self.pool.view(ent.slot) for ent in ents]
+
+    def note_hits(self, layer: int, experts: Sequence[int]) -> int:
+        """Blocks a kernel read from the pool itself (device_view): counted as hits and made
+        recent, as get_many would; returns how many of them are still ready."""
+        n = 0
+        with self._cv:
+            for e in dict.fromkeys(int(x) for x in experts):
+                ent = self._entries.get((layer, e))
+                if ent is not None and ent.state == _READY:
+                    self.policy.access((layer, e))
+                    self._count_hit(ent)
+                    n += 1
+        return n
 
     def _count_hit(self, ent: _Entry) -> None:
         st = self._stats
@@ -428,6 +447,7 @@ class ExpertCache:
             victim = self.policy.victim(layer, self._busy())
             if victim is not None:
                 ent = self._entries.pop(victim)
+                self.table[victim] = -1
                 self.policy.remove(victim)
                 self._stats.evictions += 1
                 return ent.slot
@@ -455,6 +475,7 @@ class ExpertCache:
     def _drop(self, key, ent: _Entry) -> None:
         if self._entries.get(key) is ent:
             del self._entries[key]
+            self.table[key] = -1
             self._free.append(ent.slot)
             if key in self.policy:
                 self.policy.remove(key)
@@ -477,6 +498,7 @@ class ExpertCache:
         with self._cv:
             if err is None:
                 ent.state = _READY
+                self.table[key] = ent.slot      # after the bytes: a kernel may read it now
                 self._stats.bytes_read += self.block_bytes
             else:
                 self._stats.read_errors += 1
@@ -501,6 +523,17 @@ class ExpertCache:
                 "policy": self.policy_name, "split": self.split, "slots": self.n_slots,
                 "block_bytes": self.block_bytes, "budget_bytes_used": self.n_slots * self.block_bytes}
 
+    def device_view(self):
+        """(buffers' address, buffers, bytes a buffer, table's address) for kernels that read
+        ready blocks straight from this pinned memory: table int32 [layers, experts] holds
+        each ready block's buffer (-1 elsewhere). None when the memory is not page-locked.
+        A buffer is reused only for a read that this process asks for (get_many, prefetch),
+        and its entry is -1 before that read starts."""
+        pool, table = self.pool.device_address(), self._table_pool.device_address()
+        if pool is None or table is None:
+            return None
+        return pool, self.pool.n_buffers, self.pool.buffer_bytes, table
+
     def resident(self) -> list[tuple[int, int]]:
         """(layer, expert) of every ready block."""
         with self._cv:
@@ -517,6 +550,8 @@ class ExpertCache:
             except Exception:  # a failed read is of no interest once the cache closes
                 pass
         self.pool.close()
+        self.table = None
+        self._table_pool.close()
 
     def __enter__(self) -> "ExpertCache":
         return self

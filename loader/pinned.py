@@ -1,7 +1,7 @@
 """Pinned host buffer pool: one allocation cut into aligned buffers, numpy uint8 views over it.
 
-With a working GPU the memory is page-locked through the CUDA driver (cuMemHostAlloc, portable),
-so H2D copies run at full PCIe speed and asynchronously; without one it is anonymous mmap memory
+With a working GPU the memory is page-locked through the CUDA driver (cuMemHostAlloc, portable
+and mapped), so H2D copies run at full PCIe speed and asynchronously and kernels can read it; without one it is anonymous mmap memory
 (page-aligned, which O_DIRECT reads also need).
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ class PinnedPool:
             self._device = dev
             _check(driver, driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         self._host_ptr = int(_check(driver, driver.cuMemHostAlloc(
-            self.total_bytes, driver.CU_MEMHOSTALLOC_PORTABLE),
+            self.total_bytes, driver.CU_MEMHOSTALLOC_PORTABLE | driver.CU_MEMHOSTALLOC_DEVICEMAP),
             f"cuMemHostAlloc({self.total_bytes} bytes)"))
         self._driver = driver
         self.pinned = True
@@ -112,6 +112,14 @@ class PinnedPool:
     def address(self, i: int) -> int:
         """Host address of buffer i (for cuMemcpyHtoDAsync)."""
         return self._base.ctypes.data + i * self.buffer_bytes
+
+    def device_address(self) -> int | None:
+        """The address kernels read the pool at (mapped, over PCIe), None when it is not
+        page-locked through the driver."""
+        if self._driver is None or not self._host_ptr:
+            return None
+        return int(_check(self._driver, self._driver.cuMemHostGetDevicePointer(self._host_ptr, 0),
+                          "cuMemHostGetDevicePointer"))
 
     def close(self) -> None:
         """Free the memory. Views handed out must not be used afterwards."""

@@ -228,3 +228,27 @@ def test_live_cache_matches_the_simulator_on_the_demo_trace():
             assert (st.hits, st.misses) == (sim["hits"], sim["misses"]), policy
     finally:
         arena.close()
+
+
+def test_block_table_follows_ready_blocks(packed):
+    """table[layer, expert] (what a kernel reads to find a block in the pool) holds the buffer
+    of every ready block and -1 elsewhere, through evictions; note_hits counts and refreshes."""
+    rng = np.random.default_rng()
+    with one_layer(packed, "lru", slots=3) as c:
+        for e in rng.permutation(8)[:6].tolist() + [int(rng.integers(8))]:
+            v = c.get(0, e)
+            want = np.full((4, 8), -1, np.int32)
+            for key in c.resident():
+                want[key] = c._entries[key].slot
+            assert np.array_equal(c.table, want)
+            assert c.table[0, e] >= 0 and np.array_equal(c.pool.view(int(c.table[0, e])), v)
+        held = [k[1] for k in c.resident()]
+        h0 = c.stats().hits
+        assert c.note_hits(0, held + [e for e in range(8) if e not in held][:1]) == len(held)
+        assert c.stats().hits == h0 + len(held)
+        oldest = held[0]
+        c.note_hits(0, held[:1])          # now the most recent: the next miss evicts another
+        miss = next(e for e in range(8) if e not in held)
+        c.get(0, miss)
+        assert (0, oldest) in c.resident() and c.table[0, miss] >= 0
+        assert (c.table >= 0).sum() == 3

@@ -65,6 +65,38 @@ def test_streaming_under_tiny_budgets_same_tokens(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("resident", [True, False])
+def test_gathered_from_ram_same_tokens(tmp_path):
+    """VRAM room for more than the banks: the streamed token graph copies the routed experts
+    that host RAM holds into VRAM itself (gm.expert_gather, no host round trip) and keeps them
+    as LRU entries; tokens as with every expert resident, and as with the host copying them."""
+    src = tmp_path / "src"
+    build_hf_model(src, "qwen3_moe", num_experts=16, num_experts_per_tok=4, num_hidden_layers=3,
+                   hidden_size=64)
+    pack(src, tmp_path / "p", "nvfp4", progress=False)
+    prompt = np.random.default_rng().integers(0, 300, 40).tolist()
+    big = engine.load(tmp_path / "p", device="cuda")
+    a = big.generate(prompt, max_new_tokens=24)
+    bb = big.gpu.res.block_bytes
+    # banks + 3 layers of staging + 8 LRU slots; RAM: 10 blocks a layer of 16
+    vram = big.plan.vram_used - (big.plan.hot_slots - 4 * 3 - 8) * bb
+    small = engine.load(tmp_path / "p", device="cuda", ram_gb=3 * 10 * bb / 1e9,
+                        vram_gb=vram / 1e9, prefill_batch=4)
+    # routing drawn on the device from the token number (which restarts at each capture)
+    small.gpu.device_route = "uniform"
+    b = small.generate(prompt, max_new_tokens=24)
+    st = b.stats["vram"]
+    assert small.gpu._devres and small.gpu._gather is not None
+    assert st["gathered"] > 0 and st["disk_reads"] > 0
+    small.gpu.device_gather = False      # the same routing, the host copying every miss
+    small.gpu._drop_graphs()
+    c = small.generate(prompt, max_new_tokens=24)
+    assert small.gpu._gather is None and c.output_ids == b.output_ids
+    # and with the model's own routing, against every expert resident
+    small.gpu.device_gather, small.gpu.device_route = True, None
+    small.gpu._drop_graphs()
+    assert small.generate(prompt, max_new_tokens=24).output_ids == a.output_ids
+
+
 def test_graph_replay_equals_eager(tmp_path, resident):
     src = tmp_path / "src"
     build_hf_model(src, "qwen3_moe", num_experts=8, num_experts_per_tok=2, hidden_size=64)

@@ -45,6 +45,14 @@ PY
            --ram-gb 32 --warm-ram --tokens ${TOK:-128} --prompt-len ${PROMPT:-512} \
            --out "$OUT/stream$d.json" 2>&1 | grep -v -i warn | tail -3 | tee "$OUT/stream$d.log"
        done ;;
+    gather) for g in ${GATHER:-1 0}; do   # the RAM hits gathered by the token graph, or copied by the host
+         MOE_STREAM_DEVICE_GATHER=$g python3 -m engine.bench gpu-stream --model /tmp/q30 --vram-gb 8 \
+           --ram-gb 32 --warm-ram --route uniform --tokens 64 --prompt-len 512 \
+           --out "$OUT/uniform_g$g.json" 2>&1 | grep -v -i warn | tail -4 | tee "$OUT/uniform_g$g.log"
+         MOE_STREAM_DEVICE_GATHER=$g python3 -m engine.bench gpu-stream --model /tmp/q30 --vram-gb 8 \
+           --ram-gb 32 --warm-ram --tokens 128 --prompt-len 512 \
+           --out "$OUT/stream_g$g.json" 2>&1 | grep -v -i warn | tail -3 | tee "$OUT/stream_g$g.log"
+       done ;;
     uniform) python3 -m engine.bench gpu-stream --model /tmp/q30 --vram-gb 8 --ram-gb 32 --warm-ram \
          --route uniform --tokens 64 --prompt-len 512 --profile --out "$OUT/uniform.json" 2>&1 \
          | grep -v -i warn | tail -25 | tee "$OUT/uniform.log" ;;

@@ -132,17 +132,20 @@ def device_table_and_gate(xs, cs):
     # runs a launch to its end)
     req = cuda.mapped_array(1, np.int64)
     req[0] = -1
-    ids_out = cuda.mapped_array((3, 4), np.int32)
+    ids_out = cuda.mapped_array((3, 8), np.int32)
     ids_out[:] = 0
     ids = cuda.to_device(np.array([9, 4, 6, 1], np.int32))
     seq = cuda.to_device(np.array([41], np.int32))
-    gm.expert_gate(cuda.to_device(np.array([3, 0, 2, 7], np.int32)), ids, seq, flag, req,
-                   ids_out, 2, cs)
+    held = cuda.to_device(np.full(10, -1, np.int32))      # nothing in host RAM
+    nostage = cuda.to_device(np.full(4, -1, np.int32))    # no gather
+    gm.expert_gate(cuda.to_device(np.array([3, 0, 2, 7], np.int32)), ids, held, nostage, seq,
+                   flag, req, ids_out, 2, cs)
     cs.synchronize()
     assert req[0] == -1 and not ids_out.any()
-    gm.expert_gate(slots, ids, seq, flag, req, ids_out, 2, cs)
+    gm.expert_gate(slots, ids, held, nostage, seq, flag, req, ids_out, 2, cs)
     cs.synchronize()
-    assert req[0] == (41 << gm.REQ_SHIFT) | 2 and list(ids_out[2]) == [9, 4, 6, 1]
+    assert req[0] == (41 << gm.REQ_SHIFT) | 2
+    assert list(ids_out[2]) == [9, 4, 6, 1, 3, -1, 2, 7]   # the ids, then the slots (-1: missing)
     assert not ids_out[:2].any()
     assert list(slots.copy_to_host()) == [3, 0, 2, 7]   # a slot left missing is clamped
 
@@ -162,12 +165,70 @@ def device_table_and_gate(xs, cs):
     th = threading.Thread(target=host)
     t0 = time.perf_counter()
     th.start()
-    gm.expert_gate(slots, ids[:2], seq, flag, req, ids_out, 1, cs)
+    gm.expert_gate(slots, ids[:2], held, nostage[:2], seq, flag, req, ids_out, 1, cs)
     cs.synchronize()
     th.join()
     assert seen == [(42 << gm.REQ_SHIFT) | 1]
     assert time.perf_counter() - t0 >= 0.3 and list(slots.copy_to_host()) == [4, 5]
-    assert list(ids_out[1][:2]) == [9, 4]
+    assert list(ids_out[1][:4]) == [9, 4, -1, 5]
+    gather_and_uniform_routes(cs)
+
+
+def gather_and_uniform_routes(cs):
+    """expert_gather copies exactly the routed blocks that miss VRAM and that the host RAM
+    cache holds into their staging slots, and the gate then takes those slots (asking the host
+    only for the rest); route_uniform draws distinct experts and their slots."""
+    from kernels_numba import gpu_misc as gm
+    rng = np.random.default_rng()
+    W = 4 * gm.GATHER_UNROLL * 3 * gm.THREADS * gm.GATHER_BLOCKS + 16 * 5   # a ragged tail
+    pool = rng.integers(0, 2 ** 32, (6, W + 16), dtype=np.uint32)         # buffers are wider
+    bank0 = rng.integers(0, 2 ** 32, (9, W), dtype=np.uint32)
+    bank = cuda.to_device(bank0)
+    # experts 2, 5, 7, 3: 2 in VRAM (slot 1); 5 and 7 in host buffers 4 and 0; 3 nowhere
+    ids = cuda.to_device(np.array([2, 5, 7, 3], np.int32))
+    slots = cuda.to_device(np.array([1, -1, -1, -1], np.int32))
+    held_h = np.full(8, -1, np.int32)
+    held_h[5], held_h[7], held_h[2] = 4, 0, 3
+    held = cuda.to_device(held_h)
+    stage = cuda.to_device(np.array([5, 6, 7, 8], np.int32))
+    gm.expert_gather(slots, ids, held, stage, pool, bank, cs)
+    cs.synchronize()
+    want = bank0.copy()
+    want[6], want[7] = pool[4, :W], pool[0, :W]
+    assert np.array_equal(bank.copy_to_host(), want)
+    seq = cuda.to_device(np.array([7], np.int32))
+    flag = cuda.to_device(np.full(3, 7, np.int32))     # answered beforehand (see above)
+    req = cuda.mapped_array(1, np.int64)
+    req[0] = -1
+    ids_out = cuda.mapped_array((3, 8), np.int32)
+    ids_out[:] = 0
+    gm.expert_gate(slots, ids, held, stage, seq, flag, req, ids_out, 0, cs)
+    cs.synchronize()
+    assert req[0] == 7 << gm.REQ_SHIFT
+    assert list(ids_out[0]) == [2, 5, 7, 3, 1, 6, 7, -1]
+    # all found: no request
+    slots = cuda.to_device(np.array([1, -1, -1], np.int32))
+    req[0] = -1
+    gm.expert_gather(slots, ids[:3], held, stage[:3], pool, bank, cs)
+    gm.expert_gate(slots, ids[:3], held, stage[:3], seq, flag, req, ids_out, 1, cs)
+    cs.synchronize()
+    assert req[0] == -1 and list(slots.copy_to_host()) == [1, 6, 7]
+
+    slot_of_h = rng.permutation(16).astype(np.int32)
+    slot_of = cuda.to_device(slot_of_h)
+    seen = set()
+    for s in range(3):
+        for layer in range(2):
+            ids = cuda.to_device(np.zeros(6, np.int32))
+            slots = cuda.to_device(np.zeros(6, np.int32))
+            gm.route_uniform(ids, slots, slot_of, cuda.to_device(np.array([s], np.int32)),
+                             layer, 16, cs)
+            cs.synchronize()
+            got = ids.copy_to_host()
+            assert len(set(got.tolist())) == 6 and got.min() >= 0 and got.max() < 16
+            assert np.array_equal(slots.copy_to_host(), slot_of_h[got])
+            seen.add(tuple(got.tolist()))
+    assert len(seen) == 6          # every (token, layer) draws its own
 
 
 main()
