@@ -6,7 +6,7 @@
 # A/B under MOE_STREAM_NVFP4_VARIANT, say).
 # usage (device tool, carry [".whl"]): bash tools/gpu_profile.sh [STEPS] (default "hbm bench op uniform")
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ -d /tmp/site/numpy ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${1:-hbm bench op uniform}
