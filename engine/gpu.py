@@ -810,15 +810,16 @@ class GpuDecoder:
     def _count_token_tiers(self) -> None:
         """After a streamed token graph: VRAM hits the device resolved, and blocks it gathered
         from host RAM (kept as LRU entries), per layer; a served layer's misses the host
-        counted in resolve."""
-        for l in self.c.moe_layers:
-            ids, slots = self.ids_all_h[l], self.slots_all_h[l]
-            missed = self._served_missing.get(l, ())
-            stage = set(self._stage_h[l].tolist()) if self._stage_h is not None else set()
-            self.res.touch(l, [int(e) for e, s in zip(ids, slots)
-                               if int(s) not in stage and int(e) not in missed])
-            if stage:
-                self._promote_gathered(l, ids, slots)
+        counted in resolve. The table changes go down as one copy."""
+        with self.res.batched_table():
+            for l in self.c.moe_layers:
+                ids, slots = self.ids_all_h[l], self.slots_all_h[l]
+                missed = self._served_missing.get(l, ())
+                stage = set(self._stage_h[l].tolist()) if self._stage_h is not None else set()
+                self.res.touch(l, [int(e) for e, s in zip(ids, slots)
+                                   if int(s) not in stage and int(e) not in missed])
+                if stage:
+                    self._promote_gathered(l, ids, slots)
         if self._stage_dirty:   # the next token's gathers go to the new staging slots
             self._writer.put(self.stage_d, self._stage_h)
             self._stage_dirty = False

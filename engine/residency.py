@@ -9,6 +9,7 @@ last read the slots it may overwrite).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -142,21 +143,43 @@ class VramResidency:
         self._copy = h2d_copier(self.bank, copy_stream)
         self._spec: dict = {}       # layer -> (event, predicted keys, keys copied on the prediction)
         self._table = None          # (device int32 [L, E] mirror of slot_of, its DeviceWriter)
+        self._table_h = None        # its host copy (pinned)
+        self._batched = False
         self.spec_recent = 1.0      # running accuracy of the predictions (starts trusting them)
 
     def attach_table(self, table) -> None:
         """From now on keep the device int32 [L, E] table equal to slot_of, -1 where an expert
         is not in VRAM: written whole here, then an entry a placement or eviction, on the copy
         stream ahead of the copies that follow."""
-        host = np.full(table.shape, -1, np.int32)
+        host = cuda.pinned_array(table.shape, np.int32)
+        host[:] = -1
         for (layer, e), slot in self.slot_of.items():
             host[layer, e] = slot
         table.copy_to_device(host, stream=self.xs)
         self.xs.synchronize()
         self._table = (table, DeviceWriter(self.xs))
+        self._table_h = host
+
+    @contextlib.contextmanager
+    def batched_table(self):
+        """Many table changes at once (after a token): the host copy takes them, then one copy
+        of the whole table on the copy stream, not a write an entry."""
+        self._batched = self._table is not None
+        changed = self._changed = []
+        try:
+            yield
+        finally:
+            self._batched = False
+            if changed:
+                table, w = self._table
+                w.put(table, self._table_h)
 
     def _mirror(self, key, slot: int) -> None:
         if self._table is not None:
+            self._table_h[key] = slot
+            if self._batched:
+                self._changed.append(key)
+                return
             table, w = self._table
             w.set(table, key[0] * table.shape[1] + key[1], slot)
 

@@ -173,7 +173,7 @@ def expert_gate(slots, ids, held, stage, seq, flag, req, ids_out, layer: int, st
     _expert_gate[1, 1, stream](slots, ids, held, stage, seq, flag, req, ids_out, int32(layer))
 
 
-GATHER_BLOCKS = 2 if SIM else 32   # blocks an expert: about 4 MB of reads in flight for K = 8
+GATHER_BLOCKS = 2 if SIM else 8    # blocks an expert: 1 MB of reads in flight for K = 8
 GATHER_UNROLL = 4                  # 16-byte loads a thread issues before its stores
 
 
@@ -222,21 +222,26 @@ def expert_gather(slots, ids, held, stage, pool, bank, stream):
                                                                     bank)
 
 
+@cuda.jit(device=True, inline=True)
+def _mix64(r):
+    r = (r ^ (r >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
+    r = (r ^ (r >> uint64(27))) * uint64(0x94D049BB133111EB)
+    return r ^ (r >> uint64(31))
+
+
 @pdl_kernel
 @cuda.jit
 def _route_uniform(ids, slots, slot_of, seq, layer, n_experts):
     """One thread: K distinct experts from a hash of (token number, layer)."""
     pdl_wait()
     pdl_trigger()
-    z = uint64(seq[0]) * uint64(0x9E3779B97F4A7C15) + uint64(layer) * uint64(0xBF58476D1CE4E5B9)
+    # splitmix64 from a seed that is itself mixed: consecutive tokens' streams do not overlap
+    z = _mix64((uint64(seq[0]) << uint64(20)) ^ uint64(layer))
     K = ids.shape[0]
     k = 0
     while k < K:
-        z += uint64(0x9E3779B97F4A7C15)          # splitmix64
-        r = z
-        r = (r ^ (r >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
-        r = (r ^ (r >> uint64(27))) * uint64(0x94D049BB133111EB)
-        r = r ^ (r >> uint64(31))
+        z += uint64(0x9E3779B97F4A7C15)
+        r = _mix64(z)
         e = int32(r % uint64(n_experts))
         dup = False
         for j in range(k):

@@ -64,7 +64,6 @@ def test_streaming_under_tiny_budgets_same_tokens(tmp_path, fmt):
     assert st["disk_reads"] > 0 and b.stats["experts"]["evictions"] > 0
 
 
-@pytest.mark.parametrize("resident", [True, False])
 def test_gathered_from_ram_same_tokens(tmp_path):
     """VRAM room for more than the banks: the streamed token graph copies the routed experts
     that host RAM holds into VRAM itself (gm.expert_gather, no host round trip) and keeps them
@@ -97,6 +96,7 @@ def test_gathered_from_ram_same_tokens(tmp_path):
     assert small.generate(prompt, max_new_tokens=24).output_ids == a.output_ids
 
 
+@pytest.mark.parametrize("resident", [True, False])
 def test_graph_replay_equals_eager(tmp_path, resident):
     src = tmp_path / "src"
     build_hf_model(src, "qwen3_moe", num_experts=8, num_experts_per_tok=2, hidden_size=64)

@@ -120,6 +120,16 @@ def device_table_and_gate(xs, cs):
         r.resolve(layer, ids, wait=False)   # evictions of older keys on the way
         table_matches(r, table)
     assert (0, 0) in r.slot_of and len(r.slot_of) == 5
+    # many changes at once (after a token): the host copy takes them, one copy of the table
+    with r.batched_table():
+        r.resolve(1, [6, 7], wait=False)
+        got = r.reserve(1, keep={(1, 6), (1, 7)})      # a staging slot: the oldest other entry
+        assert got[0] not in r.slot_of.values()
+        r.adopt((2, 4), got[0])                        # (its block written by the device)
+        assert r.lru[(2, 4)] == got[0]
+    table_matches(r, table)
+    r.resolve(1, [3], wait=False)
+    table_matches(r, table)                            # entry by entry again
     w = DeviceWriter(xs)
     slots = cuda.to_device(np.zeros(4, np.int32))
     w.put(slots, np.array([3, -1, 2, 7], np.int32))
