@@ -36,8 +36,11 @@ GEMM_MIN_T = 8           # below this many tokens the matvec kernel beats the ti
 # streamed decode as one graph a token, the host serving only the layers that miss VRAM
 # (MOE_STREAM_DEVICE_RESOLVE=0: a graph segment a layer, every layer's ids through the host)
 DEVICE_RESOLVE = os.environ.get("MOE_STREAM_DEVICE_RESOLVE", "1") != "0"
-# the streamed token graph reads RAM hits from pinned host memory itself (gm.expert_gather)
-DEVICE_GATHER = os.environ.get("MOE_STREAM_DEVICE_GATHER", "1") != "0"
+# the streamed token graph reads RAM hits from pinned host memory itself (gm.expert_gather).
+# Off by default: on the H200 (docs/PERF.md, fourteenth session) it made uniform routing 10 %
+# faster (no host round trip a layer) but the SMs' PCIe reads reach about 29 GB/s against the
+# copy engine's 55, and its launch a layer cost the model's own routing (96 % VRAM hits) 3-5 %
+DEVICE_GATHER = os.environ.get("MOE_STREAM_DEVICE_GATHER", "0") == "1"
 SERVE_TIMEOUT_S = 120.0  # a token graph that neither finishes nor asks for blocks this long
 
 

@@ -81,7 +81,7 @@ def test_gathered_from_ram_same_tokens(tmp_path):
     small = engine.load(tmp_path / "p", device="cuda", ram_gb=3 * 10 * bb / 1e9,
                         vram_gb=vram / 1e9, prefill_batch=4)
     # routing drawn on the device from the token number (which restarts at each capture)
-    small.gpu.device_route = "uniform"
+    small.gpu.device_route, small.gpu.device_gather = "uniform", True
     b = small.generate(prompt, max_new_tokens=24)
     st = b.stats["vram"]
     assert small.gpu._devres and small.gpu._gather is not None
