@@ -34,19 +34,24 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     assert_greedy(ref, ids[:5], c.generate(ids[:5], max_new_tokens=32).output_ids, 32)
 
 
+def packed_on_cuda(tmp_path, fmt="nvfp4", prompt_len=40, experts=16, top_k=4, layers=3):
+    """A small qwen3_moe packed as fmt, a random prompt, and the model loaded on cuda with every
+    budget left at its default."""
+    build_hf_model(tmp_path / "src", "qwen3_moe", num_experts=experts, num_experts_per_tok=top_k,
+                   num_hidden_layers=layers, hidden_size=64)
+    pack(tmp_path / "src", tmp_path / "p", fmt, progress=False)
+    prompt = np.random.default_rng().integers(0, 300, prompt_len).tolist()
+    return tmp_path / "p", prompt, engine.load(tmp_path / "p", device="cuda")
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "bf16"])
 def test_streaming_under_tiny_budgets_same_tokens(tmp_path, fmt):
-    src = tmp_path / "src"
-    build_hf_model(src, "qwen3_moe", num_experts=16, num_experts_per_tok=4, num_hidden_layers=3,
-                   hidden_size=64)
-    pack(src, tmp_path / "p", fmt, progress=False)
-    prompt = np.random.default_rng().integers(0, 300, 40).tolist()
-    big = engine.load(tmp_path / "p", device="cuda")
+    folder, prompt, big = packed_on_cuda(tmp_path, fmt)
     assert big.plan.all_resident
     a = big.generate(prompt, max_new_tokens=24)
     bb = big.gpu.res.block_bytes
     # VRAM: the minimum (two banks of top-k); RAM: 5 blocks per layer of 16 experts
-    small = engine.load(tmp_path / "p", device="cuda", ram_gb=3 * 5 * bb / 1e9,
+    small = engine.load(folder, device="cuda", ram_gb=3 * 5 * bb / 1e9,
                         vram_gb=(big.plan.vram_used - big.plan.hot_slots * bb) / 1e9,
                         prefill_batch=4)
     assert small.plan.hot_slots == 0
@@ -58,7 +63,7 @@ def test_streaming_under_tiny_budgets_same_tokens(tmp_path, fmt):
     small.gpu.device_resolve = False
     assert small.generate(prompt, max_new_tokens=24).output_ids == a.output_ids
     assert not small.gpu._devres
-    cpu = engine.load(tmp_path / "p", device="cpu").generate(prompt, max_new_tokens=24)
+    cpu = engine.load(folder, device="cpu").generate(prompt, max_new_tokens=24)
     assert cpu.output_ids == a.output_ids
     st = b.stats["vram"]
     assert st["disk_reads"] > 0 and b.stats["experts"]["evictions"] > 0
@@ -68,17 +73,12 @@ def test_gathered_from_ram_same_tokens(tmp_path):
     """VRAM room for more than the banks: the streamed token graph copies the routed experts
     that host RAM holds into VRAM itself (gm.expert_gather, no host round trip) and keeps them
     as LRU entries; tokens as with every expert resident, and as with the host copying them."""
-    src = tmp_path / "src"
-    build_hf_model(src, "qwen3_moe", num_experts=16, num_experts_per_tok=4, num_hidden_layers=3,
-                   hidden_size=64)
-    pack(src, tmp_path / "p", "nvfp4", progress=False)
-    prompt = np.random.default_rng().integers(0, 300, 40).tolist()
-    big = engine.load(tmp_path / "p", device="cuda")
+    folder, prompt, big = packed_on_cuda(tmp_path)
     a = big.generate(prompt, max_new_tokens=24)
     bb = big.gpu.res.block_bytes
     # banks + 3 layers of staging + 8 LRU slots; RAM: 10 blocks a layer of 16
     vram = big.plan.vram_used - (big.plan.hot_slots - 4 * 3 - 8) * bb
-    small = engine.load(tmp_path / "p", device="cuda", ram_gb=3 * 10 * bb / 1e9,
+    small = engine.load(folder, device="cuda", ram_gb=3 * 10 * bb / 1e9,
                         vram_gb=vram / 1e9, prefill_batch=4)
     # routing drawn on the device from the token number (which restarts at each capture)
     small.gpu.device_route, small.gpu.device_gather = "uniform", True
@@ -153,20 +153,15 @@ def test_pipelined_decode_leaves_a_consistent_state(tmp_path):
 def test_dense_layers_streamed_same_tokens(tmp_path):
     """A VRAM budget below the dense weights: the layers that don't fit stream from host RAM
     through two device slots, and the tokens stay the same."""
-    src = tmp_path / "src"
-    build_hf_model(src, "qwen3_moe", num_experts=8, num_experts_per_tok=2, num_hidden_layers=6,
-                   hidden_size=64)
-    pack(src, tmp_path / "p", "nvfp4", progress=False)
-    prompt = np.random.default_rng().integers(0, 300, 12).tolist()
-    big = engine.load(tmp_path / "p", device="cuda")
+    folder, prompt, big = packed_on_cuda(tmp_path, prompt_len=12, experts=8, top_k=2, layers=6)
     assert big.plan.dense_streamed == ()
     a = big.generate(prompt, max_new_tokens=16)
     bb = big.gpu.res.block_bytes
     need = big.plan.vram_used - big.plan.hot_slots * bb     # the minimum with every layer resident
-    small = engine.load(tmp_path / "p", device="cuda", vram_gb=(need - 1) / 1e9)
+    small = engine.load(folder, device="cuda", vram_gb=(need - 1) / 1e9)
     assert len(small.plan.dense_streamed) >= 2 and not small.plan.all_resident
     # with --ram-gb set, their pinned host copies come out of it: the expert cache shrinks
-    ram = engine.load(tmp_path / "p", device="cuda", vram_gb=(need - 1) / 1e9, ram_gb=0.01)
+    ram = engine.load(folder, device="cuda", vram_gb=(need - 1) / 1e9, ram_gb=0.01)
     assert ram.plan.dense_streamed == small.plan.dense_streamed and ram.plan.dense_host_bytes > 0
     assert ram.experts.budget == ram.plan.ram_slots * bb
     assert ram.experts.budget <= 0.01e9 - ram.plan.dense_host_bytes
