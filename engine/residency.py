@@ -144,7 +144,8 @@ class VramResidency:
         self._spec: dict = {}       # layer -> (event, predicted keys, keys copied on the prediction)
         self._table = None          # (device int32 [L, E] mirror of slot_of, its DeviceWriter)
         self._table_h = None        # its host copy (pinned)
-        self._batched = False
+        self._batched = False       # inside batched_table: entries go to _table_h only
+        self._batch_changed = False
         self.spec_recent = 1.0      # running accuracy of the predictions (starts trusting them)
 
     def attach_table(self, table) -> None:
@@ -165,12 +166,12 @@ class VramResidency:
         """Many table changes at once (after a token): the host copy takes them, then one copy
         of the whole table on the copy stream, not a write an entry."""
         self._batched = self._table is not None
-        changed = self._changed = []
+        self._batch_changed = False
         try:
             yield
         finally:
             self._batched = False
-            if changed:
+            if self._batch_changed:
                 table, w = self._table
                 w.put(table, self._table_h)
 
@@ -178,7 +179,7 @@ class VramResidency:
         if self._table is not None:
             self._table_h[key] = slot
             if self._batched:
-                self._changed.append(key)
+                self._batch_changed = True
                 return
             table, w = self._table
             w.set(table, key[0] * table.shape[1] + key[1], slot)
@@ -214,15 +215,10 @@ class VramResidency:
                 j += 1
             group = keys[i:j]
             for key, block in zip(group, self._host_blocks(layer, group)):
-                slot = self.free.pop() if self.free else self._evict(keep)
+                slot = self._take(keep)
                 self._copy(slot, block, self.block_bytes)
                 self.stats.h2d_bytes += self.block_bytes
-                self.slot_of[key] = slot
-                self._mirror(key, slot)
-                if hot:
-                    self.hot.add(key)
-                else:
-                    self.lru[key] = slot
+                self.adopt(key, slot, hot)
                 slots.append(slot)
             if progress is not None:
                 progress.update(len(group))
@@ -324,16 +320,24 @@ class VramResidency:
         self.stats.issue_s += time.perf_counter() - t0
         return [self.slot_of[k] for k in keys]
 
-    def reserve(self, n: int, keep=()) -> list[int]:
-        """n slots taken out of the LRU's reach (free ones first, then the oldest entries not
-        in keep), their table entries cleared."""
-        return [self.free.pop() if self.free else self._evict(keep) for _ in range(n)]
+    def _take(self, keep) -> int:
+        """A slot for a new block: a free one, else the oldest LRU entry not in keep (its table
+        entry cleared)."""
+        return self.free.pop() if self.free else self._evict(keep)
 
-    def adopt(self, key, slot: int) -> None:
-        """A reserved slot that now holds key's block (written on the device) joins the LRU."""
+    def reserve(self, n: int, keep=()) -> list[int]:
+        """n slots taken out of the LRU's reach (see _take)."""
+        return [self._take(keep) for _ in range(n)]
+
+    def adopt(self, key, slot: int, hot: bool = False) -> None:
+        """slot now holds key's block (copied in here, or a reserved slot the device wrote):
+        it joins the hot set or the LRU."""
         self.slot_of[key] = slot
-        self.lru[key] = slot
         self._mirror(key, slot)
+        if hot:
+            self.hot.add(key)
+        else:
+            self.lru[key] = slot
 
     def gathered(self, layer: int, experts) -> None:
         """Blocks the GPU read from host RAM into staging slots (gpu_misc.expert_gather)."""

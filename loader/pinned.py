@@ -1,8 +1,8 @@
 """Pinned host buffer pool: one allocation cut into aligned buffers, numpy uint8 views over it.
 
 With a working GPU the memory is page-locked through the CUDA driver (cuMemHostAlloc, portable
-and mapped), so H2D copies run at full PCIe speed and asynchronously and kernels can read it; without one it is anonymous mmap memory
-(page-aligned, which O_DIRECT reads also need).
+and mapped), so H2D copies run at full PCIe speed and asynchronously, and kernels can read it;
+without one it is anonymous mmap memory (page-aligned, which O_DIRECT reads also need).
 """
 from __future__ import annotations
 
