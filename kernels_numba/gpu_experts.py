@@ -1815,9 +1815,12 @@ def down_grid(lay_host: np.ndarray, threads: int = THREADS) -> int:
 # DEFAULT_VARIANT, or for one run by MOE_STREAM_<FMT>_VARIANT (A/B of whole decodes). Threads
 # a block are always capped by the compiled kernel's registers (_cap).
 
-DEFAULT_VARIANT = {"nvfp4": "mma-g4-d4-p3-c", "fp8": "parith-g8j1-d4j2", "bf16": "parith-g4j4-d4j4"}
+DEFAULT_VARIANT = {"nvfp4": "mma-g4-d4-p5-c-l", "fp8": "parith-g8j1-d4j2", "bf16": "parith-g4j4-d4j4"}
 DEFAULT_VARIANT = {f: os.environ.get(f"MOE_STREAM_{f.upper()}_VARIANT", v)
                    for f, v in DEFAULT_VARIANT.items()}
+# ^ nvfp4: the lean tensor-core kernels, H200 sweep of 2026-12-02: 15.7 / 14.3 / 25.8 us a layer
+# at 30B / Next / 2560x640 against mma-g4-d4-p3-c's 17.3 / 16.0 / 28.9 (-p5: coherent weight
+# loads, so ptxas keeps them above the barrier, with the L1 allocating: 0.4 us ahead of -p4)
 # ^ nvfp4: the tensor-core kernels (gpu_experts_mma), H200 sweep of 2026-12-01: 19.6 / 17.4 / 30.9
 # us a layer at 30B / Next / 2560x640 against qtab-g8j1-d4j2's 23.0 / 26.3 / 35.6
 # ^ H200 sweep of 2026-11-30 (graph replay; us per layer at 30B / Next / 2560x640): the
@@ -1830,16 +1833,18 @@ SWEEP = {   # what tools/sweep_experts.py times
               "pmix-g8j1-d4j2", "ptab-g4j1-d8j1", "ptab-g4j1-d4j1",
               "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
               "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2", "lut-g32-d16",
-              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c"],
+              "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c",
+              "mma-g4-d4-p4-c-l", "mma-g4-d4-p5-c-l"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
 }
 _VARIANT_RE = re.compile(r"^(p|q)?(tab|arith|mix|pair|bpair)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
 _LUT_RE = re.compile(r"^lut-g(\d+)-d(\d+)(?:-m(\d))?$")   # NVFP4: gpu_experts_lut, GW / DW warps a block
-_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(?:-m(\d))?$")   # NVFP4: gpu_experts_mma, SG / SD
+_MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(?:-m(\d))?(-l)?$")   # NVFP4: gpu_experts_mma, SG / SD
 # steps a warp, LA steps loaded ahead (default all), P the weight loads' cache hints, -c the
-# scales on the D columns, -m1 / -m2 diagnostic modes (wrong results)
+# scales on the D columns, -m1 / -m2 diagnostic modes (wrong results), -l the lean kernels
+# (32-bit addressing, fewer instructions; gpu_experts_mma.lean_steps)
 _FLAT = {}
 
 
@@ -1854,7 +1859,7 @@ def parse_variant(fmt: str, variant: str):
     m = _MMA_RE.match(v)
     if m and fmt == "nvfp4":
         extra = (int(m.group(3) or 0), int(m.group(6) or 0), int(m.group(4) or 0),
-                 int(bool(m.group(5))))                               # LA, MODE, P, COLS
+                 int(bool(m.group(5))), int(bool(m.group(7))))       # LA, MODE, P, COLS, LEAN
         return ("mma", int(m.group(1)), extra, int(m.group(2)), 0)
     m = _VARIANT_RE.match(v)
     ok = (fmt == "nvfp4" and m.group(2) in _Q_DEC) if m and m.group(1) == "q" else \
@@ -1942,7 +1947,10 @@ def live_variants(fmt: str) -> list[str]:
     mma kernels' fallback; a pipelined kernel's flat one-pass stand-in) and the legacy kernels.
     The GPU tests check these; tools/sweep_experts.py checks each SWEEP variant it times against
     the legacy kernels."""
-    out = [DEFAULT_VARIANT[fmt]] + ([MMA_FALLBACK] if fmt == "nvfp4" else [])
+    out = [DEFAULT_VARIANT[fmt]]
+    if out[0].endswith("-l"):        # the kernels the lean ones stand in for
+        out.append(out[0][:-2])
+    out += [MMA_FALLBACK] if fmt == "nvfp4" else []
     for v in list(out):
         m = _VARIANT_RE.match(v)
         if m and m.group(1):

@@ -25,22 +25,28 @@ one conflict-free 128-byte line. Each warp fills (and reads) only its own steps'
     down:    block = 16 output rows; the columns are all K experts' rows side by side (an
              expert's routing weight and global scale folded into its B values); warp w
              takes steps [w S, w S + S) of the K * Is / 128 -> out [H] (+= when accumulate)
-Variant "mma-g<SG>-d<SD>[-a<LA>][-p<P>][-c][-m<MODE>]" (gpu_experts.parse_variant): steps a
-warp, steps loaded ahead, the weight loads' cache hints, the scale placement, diagnostics.
+Variant "mma-g<SG>-d<SD>[-a<LA>][-p<P>][-c][-m<MODE>][-l]" (gpu_experts.parse_variant): steps a
+warp, steps loaded ahead, the weight loads' cache hints, the scale placement, diagnostics, the
+lean kernels (_make_lean: the same sums with about a third fewer instructions).
 Needs Hs and Is multiples of 128 (supported() says; the launcher falls back to the q kernels).
 Under the simulator the mma, the f16 multiply and the split run as numpy emulations.
 H200 (docs/PERF.md, sixth session): 19.6 / 17.4 / 30.9 us a layer at Qwen3-30B / Next-80B /
 2560x640 shapes, against 23.0 / 26.3 / 35.6 for the qtab kernels; with the decode and mma
 removed (MODE 2) gate_up still takes 7.9 of its 10.3 us, so the load structure bounds them.
+Nsight Compute (2026-12-02) showed why: 1467 instructions a gate_up warp for 32 mma, over half
+of them 64-bit index arithmetic (a 64-bit division among them), and ptxas sinking the .nc weight
+loads below the barrier and the input's loads (issued at instruction ~517). The lean kernels
+(default "-p5-c-l"): 15.7 / 14.3 / 25.8 us.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .gpu_util import (SIM, WARP, cdiv, float_as_uint, int_as_float, pdl_kernel, pdl_trigger,
-                        pdl_wait, silu, warp_max, warp_sync)
+from .gpu_util import (SIM, WARP, cdiv, float_as_uint, int_as_float, make_ld, pdl_kernel,
+                        pdl_trigger, pdl_wait, silu, warp_max, warp_sync)
 
+_ldx4 = make_ld(4, "")            # x / act: 16 bytes the launch before wrote (coherent)
 STEP = 128                        # columns a warp's step covers (64 bytes a row, 16 a lane)
 STEP_U32 = 128                    # shared uint32 of B fragments a step (4 words x 2 x 4 x 4)
 MAX_WARPS = 32
@@ -73,6 +79,25 @@ if SIM:
         return uint32(a[i, j]), uint32(a[i, j + 1]), uint32(a[i, j + 2]), uint32(a[i, j + 3])
 
     _LD4 = [_ld4] * 6
+
+    @cuda.jit(device=True)
+    def _ld4x(a, i, off, k):
+        """a[i, off + k:off + k + 4] of a uint32 array (one 16-byte load, 32-bit offsets)."""
+        j = int(off) + int(k)
+        return uint32(a[i, j]), uint32(a[i, j + 1]), uint32(a[i, j + 2]), uint32(a[i, j + 3])
+
+    _LD4X = [_ld4x] * 6
+
+    @cuda.jit(device=True)
+    def _ldu16x(a, i, off, k):
+        return uint32(a[i, int(off) + int(k)])
+
+    @cuda.jit(device=True)
+    def _sts4(a, i, v0, v1, v2, v3):
+        a[i] = v0
+        a[i + 1] = v1
+        a[i + 2] = v2
+        a[i + 3] = v3
 
     @cuda.jit(device=True)
     def _hmul2(a, b):
@@ -154,9 +179,81 @@ else:
     # cache hints of the weight loads (variant "-p<P>"): non-coherent (.nc) plain, with 128 /
     # 256-byte L2 prefetch, and with no L1 allocation too (the weights are read once); then the
     # last two coherent: ptxas moves .nc loads across barriers (below the fill), not these
-    _LD4 = [_make_ld4(h) for h in (".nc", ".nc.L2::128B", ".nc.L2::256B",
-                                   ".nc.L1::no_allocate.L2::256B", ".L1::no_allocate.L2::256B",
-                                   ".L2::256B")]
+    _HINTS = (".nc", ".nc.L2::128B", ".nc.L2::256B", ".nc.L1::no_allocate.L2::256B",
+              ".L1::no_allocate.L2::256B", ".L2::256B")
+    _LD4 = [_make_ld4(h) for h in _HINTS]
+
+    def _row_ptr(context, builder, sig, args, esize):
+        """&a[i, 0] + esize * (zext(off) + k) of a 2-D array: the row's address once (64-bit),
+        then 32-bit offsets; k (a constant where the caller's is) lands in the immediate."""
+        aty = sig.args[0]
+        arr = context.make_array(aty)(context, builder, value=args[0])
+        i0 = context.cast(builder, args[1], sig.args[1], types.intp)
+        row = cgutils.get_item_pointer(context, builder, aty, arr,
+                                       [i0, context.get_constant(types.intp, 0)])
+        i64 = ir.IntType(64)
+        off = builder.zext(context.cast(builder, args[2], sig.args[2], types.uint32), i64)
+        k = builder.zext(context.cast(builder, args[3], sig.args[3], types.uint32), i64)
+        byte = builder.mul(builder.add(off, k, flags=["nuw"]), ir.Constant(i64, esize),
+                           flags=["nuw"])
+        return builder.add(builder.ptrtoint(row, i64), byte)
+
+    def _make_ld4x(hint):
+        @intrinsic
+        def ld4x(typingctx, a, i, off, k):
+            """a[i, off + k:off + k + 4] of a 2-D uint32 array, one ld.global<hint>.v4."""
+            if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.uint32):
+                return None
+            sig = types.UniTuple(types.uint32, 4)(a, i, off, k)
+
+            def codegen(context, builder, sig, args):
+                addr = _row_ptr(context, builder, sig, args, 4)
+                fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ir.IntType(64)])
+                asm = ir.InlineAsm(fnty, f"ld.global{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4];",
+                                   "=r,=r,=r,=r,l", side_effect=True)
+                res = builder.call(asm, [addr])
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(res, x) for x in range(4)])
+            return sig, codegen
+        return ld4x
+
+    _LD4X = [_make_ld4x(h) for h in _HINTS]
+
+    @intrinsic
+    def _ldu16x(typingctx, a, i, off, k):
+        """a[i, off + k] of a 2-D uint16 array as uint32 (ld.global.nc.u16)."""
+        if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.uint16):
+            return None
+        sig = types.uint32(a, i, off, k)
+
+        def codegen(context, builder, sig, args):
+            addr = _row_ptr(context, builder, sig, args, 2)
+            fnty = ir.FunctionType(_I32, [ir.IntType(64)])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.u16 $0, [$1];", "=r,l", side_effect=True)
+            return builder.call(asm, [addr])
+        return sig, codegen
+
+    @intrinsic
+    def _sts4(typingctx, a, i, v0, v1, v2, v3):
+        """a[i:i + 4] = v0 .. v3 of a 1-D uint32 shared array (one 16-byte store; i % 4 == 0)."""
+        if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.uint32):
+            return None
+        sig = types.none(a, i, v0, v1, v2, v3)
+
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            arr = context.make_array(aty)(context, builder, value=args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aty, arr,
+                                           [context.cast(builder, args[1], sig.args[1],
+                                                         types.intp)])
+            vt = ir.VectorType(_I32, 4)
+            vec = ir.Constant(vt, ir.Undefined)
+            for x, (v, ty) in enumerate(zip(args[2:], sig.args[2:])):
+                vec = builder.insert_element(vec, context.cast(builder, v, ty, types.uint32),
+                                             ir.Constant(_I32, x))
+            builder.store(vec, builder.bitcast(ptr, vt.as_pointer()), align=16)
+            return context.get_dummy_value()
+        return sig, codegen
 
     @intrinsic
     def _hmul2(typingctx, a, b):
@@ -278,6 +375,17 @@ def _input_scale(amax):
 
 
 @cuda.jit(device=True, inline=True)
+def _store_unit4(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
+    """_store_unit as two 16-byte stores (base % 4 == 0)."""
+    h0, l0 = _split2(v0, v4)
+    h1, l1 = _split2(v1, v5)
+    h2, l2 = _split2(v2, v6)
+    h3, l3 = _split2(v3, v7)
+    _sts4(bsh, base, h0, h1, h2, h3)
+    _sts4(bsh, base + 16, l0, l1, l2, l3)
+
+
+@cuda.jit(device=True, inline=True)
 def _store_unit(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
     """B fragments of one (step, word, t) unit: pairs (v0, v4) (v1, v5) | (v2, v6) (v3, v7) as
     hi at base .. base + 3 and lo at base + 16 .. base + 19."""
@@ -295,17 +403,19 @@ def _store_unit(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
     bsh[base + 19] = l3
 
 
-def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
-    """(gate_up, down) with S steps (S * 128 columns) a warp, the loads of LA steps in flight
-    ahead of the one multiplied (LA = S: every load issued first), weight loads with cache
-    hints P (see _LD4). MODE (diagnostics for the sweep, wrong results): 1 = no input loads
-    (x = 1), 2 = no decode or mma (the words XORed into the sums). COLS: E4M3 scales applied to
-    each group's own D columns in f32 (no f16 multiplies; see steps), else to A in f16."""
-    NW8 = 8 * S                   # weight words a lane holds: 2 rows x 4 words a step
-    NS2 = 2 * S
+def _fns(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, LEAN: int = 0):
+    """(load, fill, steps): a warp's device functions for S steps (S * 128 columns) a warp, the
+    loads of LA steps in flight ahead of the one multiplied (LA = S: every load issued first),
+    weight loads with cache hints P (see _LD4). MODE (diagnostics for the sweep, wrong
+    results): 1 = no input loads (x = 1), 2 = no decode or mma (the words XORed into the sums).
+    COLS: E4M3 scales applied to each group's own D columns in f32 (no f16 multiplies; see
+    steps), else to A in f16. LEAN (with COLS): the fill's stores 16 bytes wide, and the lanes
+    off their scale group take zeros by a select, not from a zero chunk (no block barrier
+    needed before the steps)."""
     UPT = cdiv(S, 2)              # (step, word, t) units of B a lane fills: 16 S a warp
     NV = 8 * UPT
     ld4 = _LD4[P]
+    store = _store_unit4 if LEAN else _store_unit
 
     @cuda.jit(device=True, inline=True)
     def load(bank32, bank16, slots, slot0, wv, sv, s, wp, nst, nsi, a0, a1, s0, s1, down):
@@ -335,7 +445,7 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
             u = (tid & 31) + int32(32 * i)
             q = (u >> 2) & 3
             if u < int32(16 * S):             # 16 S units a warp (S odd: lanes left over)
-                _store_unit(bsh, (((st0 + (u >> 4)) * 4 + q) * 8 + (u & 3)) * 4,
+                store(bsh, (((st0 + (u >> 4)) * 4 + q) * 8 + (u & 3)) * 4,
                             v[8 * i] * c, v[8 * i + 1] * c, v[8 * i + 2] * c, v[8 * i + 3] * c,
                             v[8 * i + 4] * c, v[8 * i + 5] * c, v[8 * i + 6] * c,
                             v[8 * i + 7] * c)
@@ -343,11 +453,12 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
         return inv
 
     @cuda.jit(device=True, inline=True)
-    def steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot0, wp, nst, nsi, a0, a1, s0, s1,
-              down):
+    def steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot0, wp, wl, nst, nsi, a0, a1, s0,
+              s1, down):
         """The warp's S steps: rows g (words wv[8 s + q], scales sv[2 s]) and g + 8 (wv[8 s + 4 +
-        q], sv[2 s + 1]) against the B fragments of steps wp S .. wp S + S - 1; steps LA .. S - 1
-        are loaded here, LA steps ahead of the one multiplied."""
+        q], sv[2 s + 1]) against the B fragments of steps wp S .. wp S + S - 1 of bsh; steps
+        LA .. S - 1 are loaded here, LA steps ahead of the one multiplied, as the weights' steps
+        of warp wl (wp where a block is one item)."""
         lane = uint32(cuda.threadIdx.x) & uint32(31)
         sel = ((((lane >> _S2) & uint32(1)) << _S2) | (lane & uint32(3))) << _S2
         st0 = wp * int32(S)
@@ -361,7 +472,7 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
         c3 = float32(0.0)
         for s in range(S):
             if s + LA < S:
-                load(bank32, bank16, slots, slot0, wv, sv, s + LA, wp, nst, nsi, a0, a1, s0, s1,
+                load(bank32, bank16, slots, slot0, wv, sv, s + LA, wl, nst, nsi, a0, a1, s0, s1,
                      down)
             if MODE == 2:
                 x_ = sv[2 * s] ^ sv[2 * s + 1]
@@ -380,13 +491,22 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
                     for qq in range(2):
                         q = 2 * hg + qq
                         base = (uint32(st0 + s) * uint32(4) + uint32(q)) * uint32(32) + sel
-                        base = base if valid else zoff
+                        if LEAN:
+                            zb = uint32(0)
+                            b0 = bsh[base] if valid else zb
+                            b1 = bsh[base + 1] if valid else zb
+                            b2 = bsh[base + 2] if valid else zb
+                            b3 = bsh[base + 3] if valid else zb
+                        else:
+                            base = base if valid else zoff
+                            b0 = bsh[base]
+                            b1 = bsh[base + 1]
+                            b2 = bsh[base + 2]
+                            b3 = bsh[base + 3]
                         p0, p1, p2, p3 = _pairs(wv[8 * s + q])
                         r0, r1, r2, r3 = _pairs(wv[8 * s + 4 + q])
-                        d0, d1, d2, d3 = _mma(mx, p0, r0, p1, r1, bsh[base], bsh[base + 1],
-                                              d0, d1, d2, d3)
-                        d0, d1, d2, d3 = _mma(mx, p2, r2, p3, r3, bsh[base + 2], bsh[base + 3],
-                                              d0, d1, d2, d3)
+                        d0, d1, d2, d3 = _mma(mx, p0, r0, p1, r1, b0, b1, d0, d1, d2, d3)
+                        d0, d1, d2, d3 = _mma(mx, p2, r2, p3, r3, b2, b3, d0, d1, d2, d3)
                     c0 += (fa if hg == 0 else fb) * (d0 + d1)
                     c2 += (ha if hg == 0 else hb) * (d2 + d3)
                 continue
@@ -403,6 +523,17 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
         if COLS:      # lane t holds its own groups' sums: the quad adds them up
             return _quad_sum(c0, red) * float32(128.0), _quad_sum(c2, red) * float32(128.0)
         return c0 + c1, c2 + c3
+
+    return load, fill, steps
+
+
+def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
+    """(gate_up, down) with the device functions of _fns(S, LA, MODE, P, COLS)."""
+    NW8 = 8 * S                   # weight words a lane holds: 2 rows x 4 words a step
+    NS2 = 2 * S
+    UPT = cdiv(S, 2)
+    NV = 8 * UPT
+    load, fill, steps = _fns(S, LA, MODE, P, COLS)
 
     @cuda.jit
     def gate_up(bank32, bank16, bankf, slots, x, act, gq, gsc, uq, usc, H, I, Hs):
@@ -448,8 +579,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
                 a = x[uint32(min(e, H - int32(1)))] if MODE != 1 else float32(1.0)
                 v[8 * i + j] = a if e < H else float32(0.0)
         inv = fill(bsh, v, red)
-        dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, nst, int32(1), ga, ua,
-                       gs, us, False)
+        dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, wp, nst, int32(1),
+                       ga, ua, gs, us, False)
         if t == 0:
             part[wp, g] = dg * inv
             part[wp, 8 + g] = du * inv
@@ -510,8 +641,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
                 a = act[ke, uint32(min(e, I - int32(1)))] * f if MODE != 1 else float32(1.0)
                 v[8 * i + j] = a if e < I and st < nst else float32(0.0)
         inv = fill(bsh, v, red)
-        d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), wp, nst, nsi, da, db,
-                       sa, sb, True)
+        d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), wp, wp, nst, nsi,
+                       da, db, sa, sb, True)
         if t == 0:
             part[wp, g] = d0 * inv
             part[wp, 8 + g] = d1 * inv
@@ -526,14 +657,214 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
     return pdl_kernel(gate_up), pdl_kernel(down)
 
 
+def _make_lean(S: int, P: int, NSI: int):
+    """(gate_up, down) as _make(S, S, 0, P, 1) computes them ("-l"), for layouts where no
+    step is clamped (H and I multiples of 128, Hs / 128 and K * NSI multiples of S, S <= NSI =
+    Is / 128, down compiled for its NSI), with the instruction count cut: the weights and scales are read at 32-bit
+    offsets from their slot's row (the same addresses, not 64-bit index arithmetic for every
+    load), gate_up's grid is (row groups, K) (no division for the expert), x and act come in
+    16-byte loads, the fill stores 16 bytes at a time and no block barrier stands between
+    the weight loads and the steps. Same sums in the same order: the same results."""
+    UPT = cdiv(S, 2)
+    NV = 8 * UPT
+    NW8 = 8 * S
+    NS2 = 2 * S
+    ld4w = _LD4X[P]
+    _, fill, steps = _fns(S, S, 0, P, 1, 1)
+
+    @cuda.jit
+    def gate_up(bank32, bank16, bankf, slots, x, act, gq, gsc, uq, usc, I, Hs):
+        """x float32 [H = Hs] -> act float32 [K, I]; grid (cdiv(I, 8), K), Hs / 128 / S warps,
+        dynamic shared warps * S * 512 bytes."""
+        bsh = cuda.shared.array(0, uint32)
+        part = cuda.shared.array((MAX_WARPS, 16), float32)
+        red = cuda.shared.array(RED, float32)
+        mx = cuda.shared.array((MXW, WARP, 6), uint32)
+        tid = int32(cuda.threadIdx.x)
+        wp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        k = int32(cuda.blockIdx.y)
+        r0 = int32(cuda.blockIdx.x) << 3
+        r = uint32(min(r0 + g, I - int32(1)))
+        # uint32 / uint16 offsets of this lane's step 0 in the slot's row
+        hb = uint32(Hs) >> _S1
+        ga = (uint32(gq) + r * hb + uint32(t * 16 + wp * (S * 64))) >> _S2
+        ua = (uint32(uq) + r * hb + uint32(t * 16 + wp * (S * 64))) >> _S2
+        sb = uint32(Hs) >> _S4
+        gs = (uint32(gsc) + r * sb + uint32(t * 2 + wp * (S * 8))) >> _S1
+        us = (uint32(usc) + r * sb + uint32(t * 2 + wp * (S * 8))) >> _S1
+        pdl_wait()                            # the slots are the router's, just before
+        pdl_trigger()
+        slot = slots[k]
+        wv = cuda.local.array(NW8, uint32)
+        sv = cuda.local.array(NS2, uint32)
+        for s in range(S):
+            wv[8 * s], wv[8 * s + 1], wv[8 * s + 2], wv[8 * s + 3] = ld4w(bank32, slot, ga, 16 * s)
+            wv[8 * s + 4], wv[8 * s + 5], wv[8 * s + 6], wv[8 * s + 7] = ld4w(bank32, slot, ua,
+                                                                              16 * s)
+            sv[2 * s] = _ldu16x(bank16, slot, gs, 4 * s)
+            sv[2 * s + 1] = _ldu16x(bank16, slot, us, 4 * s)
+        v = cuda.local.array(NV, float32)
+        for i in range(UPT):
+            u = lane + int32(32 * i)
+            if u < int32(16 * S):
+                e0 = (wp * int32(S) + (u >> 4)) * int32(STEP) + (u & 3) * int32(32) + \
+                    ((u >> 2) & 3) * int32(8)
+                v[8 * i], v[8 * i + 1], v[8 * i + 2], v[8 * i + 3] = _ldx4(x, e0)
+                v[8 * i + 4], v[8 * i + 5], v[8 * i + 6], v[8 * i + 7] = _ldx4(x, e0 + int32(4))
+            else:
+                for j in range(8):
+                    v[8 * i + j] = float32(0.0)
+        # ptxas sinks loads to their first use (a step's weights after the step before: four
+        # dependent trips to HBM); coherent loads (-p4 / -p5) stay above a barrier
+        cuda.syncthreads()
+        inv = fill(bsh, v, red)
+        dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, wp, int32(Hs >> 7),
+                       int32(1), int32(0), int32(0), int32(0), int32(0), False)
+        if t == 0:
+            part[wp, g] = dg * inv
+            part[wp, 8 + g] = du * inv
+        cuda.syncthreads()
+        rr = r0 + tid
+        if tid < 8 and rr < I:
+            sg = float32(0.0)
+            su = float32(0.0)
+            for w in range(int32(cuda.blockDim.x) >> 5):
+                sg += part[w, tid]
+                su += part[w, 8 + tid]
+            act[k, rr] = silu(sg * float32(128.0) * bankf[slot, 0]) * \
+                (su * float32(128.0) * bankf[slot, 1])
+
+    U = np.uint32
+    _NSI = U(NSI)
+    _US = U(S)
+
+    @cuda.jit(device=True, inline=True)
+    def expert_step(ke0, sl0, s):
+        """(expert, its step) of the warp's step sl0 + s of expert ke0 (s < S <= NSI: one wrap)."""
+        sl = U(sl0 + s)
+        w = sl >= _NSI
+        return U(ke0 + U(1)) if w else ke0, U(sl - _NSI) if w else sl
+
+    @cuda.jit
+    def down(bank32, bank16, bankf, slots, weights, act, out, accumulate, dq, dsc, H):
+        """act float32 [K, I = Is = 128 NSI] -> out float32 [H] (+= when accumulate); grid
+        cdiv(H, 16), K * NSI / S warps, dynamic shared warps * S * 512 bytes."""
+        bsh = cuda.shared.array(0, uint32)
+        part = cuda.shared.array((MAX_WARPS, 16), float32)
+        red = cuda.shared.array(RED, float32)
+        mx = cuda.shared.array((MXW, WARP, 6), uint32)
+        tid = int32(cuda.threadIdx.x)
+        lane = U(tid & 31)
+        wp = U(tid >> 5)
+        g = lane >> _S2
+        t = lane & U(3)
+        r0 = int32(cuda.blockIdx.x) << 4
+        ra = U(min(r0 + int32(g), H - int32(1)))
+        rb = U(min(r0 + int32(8 + g), H - int32(1)))
+        da = U(U(dq) + ra * U(NSI * 64) + t * U(16)) >> _S2
+        db = U(U(dq) + rb * U(NSI * 64) + t * U(16)) >> _S2
+        sa = U(U(dsc) + ra * U(NSI * 8) + t * U(2)) >> _S1
+        sb = U(U(dsc) + rb * U(NSI * 8) + t * U(2)) >> _S1
+        st0 = U(wp * _US)                     # the warp's first step, its expert and step there
+        ke0 = U(st0 // _NSI)
+        sl0 = U(st0 - ke0 * _NSI)
+        wv = cuda.local.array(NW8, uint32)
+        sv = cuda.local.array(NS2, uint32)
+        # the slots come from the launch two back (the router): read, with the weights,
+        # before the wait for gate_up's act
+        for s in range(S):
+            ke, sl = expert_step(ke0, sl0, U(s))
+            slot = slots[ke]
+            o = U(sl * U(16))
+            wv[8 * s], wv[8 * s + 1], wv[8 * s + 2], wv[8 * s + 3] = ld4w(bank32, slot, da, o)
+            wv[8 * s + 4], wv[8 * s + 5], wv[8 * s + 6], wv[8 * s + 7] = ld4w(bank32, slot, db, o)
+            o = U(sl * U(4))
+            sv[2 * s] = _ldu16x(bank16, slot, sa, o)
+            sv[2 * s + 1] = _ldu16x(bank16, slot, sb, o)
+        pdl_wait()
+        pdl_trigger()
+        v = cuda.local.array(NV, float32)
+        for i in range(UPT):
+            u = U(lane + U(32 * i))
+            if u < U(16 * S):
+                ke, sl = expert_step(ke0, sl0, u >> _S4)
+                f = weights[ke] * bankf[slots[ke], 2]
+                i0 = U(sl * U(STEP) + (u & U(3)) * U(32) + ((u >> _S2) & U(3)) * U(8))
+                a0, a1, a2, a3 = _ldx4(act, ke, i0)
+                a4, a5, a6, a7 = _ldx4(act, ke, U(i0 + U(4)))
+                v[8 * i] = a0 * f
+                v[8 * i + 1] = a1 * f
+                v[8 * i + 2] = a2 * f
+                v[8 * i + 3] = a3 * f
+                v[8 * i + 4] = a4 * f
+                v[8 * i + 5] = a5 * f
+                v[8 * i + 6] = a6 * f
+                v[8 * i + 7] = a7 * f
+            else:
+                for j in range(8):
+                    v[8 * i + j] = float32(0.0)
+        cuda.syncthreads()             # as in gate_up
+        inv = fill(bsh, v, red)
+        d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), int32(wp),
+                       int32(wp), int32(0), int32(NSI), int32(0), int32(0), int32(0), int32(0),
+                       True)
+        if t == 0:
+            part[wp, g] = d0 * inv
+            part[wp, 8 + g] = d1 * inv
+        cuda.syncthreads()
+        rr = r0 + tid
+        if tid < 16 and rr < H:
+            o2 = float32(0.0)
+            for w in range(int32(cuda.blockDim.x) >> 5):
+                o2 += part[w, tid]
+            out[rr] = o2 * float32(128.0) + (out[rr] if accumulate else float32(0.0))
+
+    return pdl_kernel(gate_up), pdl_kernel(down)
+
+
 _KERNELS = {}
 
 
-def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0, cols: int = 0):
+def kernels(s: int, la: int = 0, mode: int = 0, p: int = 0, cols: int = 0, lean: int = 0):
+    """(gate_up, down); lean (the "-l" flag) picks the lean kernels where the launchers can run
+    them (lean_steps()) and does not change these."""
     key = (s, min(la or s, s), mode, p, cols)
     if key not in _KERNELS:
         _KERNELS[key] = _make(*key)
     return _KERNELS[key]
+
+
+_LEAN = {}
+
+
+def lean_kernels(s: int, p: int, nsi: int = 1):
+    """(gate_up, down) of _make_lean; down is compiled for nsi = Is / 128 (gate_up for any)."""
+    if (s, p, nsi) not in _LEAN:
+        _LEAN[(s, p, nsi)] = _make_lean(s, p, nsi)
+    return _LEAN[(s, p, nsi)]
+
+
+def lean_steps(cfg, lay_host, k: int, half: str) -> int:
+    """Steps a warp the lean kernels ("-l", with -c and every load first) take for `half`
+    ("gate_up" / "down") of this layout, 0 where they cannot run it: no clamped step, so
+    gate_up needs H = Hs and Hs / 128 a multiple of SG; down needs I = Is and takes SD, else
+    the nearest count of steps (SD + 1 first) that divides K * Is / 128 and is at most Is / 128
+    (2560 x 640, top-10: 50 steps, 5 a warp)."""
+    la, mode, _, cols, lean = cfg[2]
+    h, i, hs, is_ = (int(lay_host[j]) for j in (6, 7, 8, 9))
+    if not (lean and cols and mode == 0 and la in (0, cfg[1] if half == "gate_up" else cfg[3])):
+        return 0
+    if half == "gate_up":
+        return cfg[1] if h == hs and (hs // STEP) % cfg[1] == 0 else 0
+    nsi, sd = is_ // STEP, cfg[3]
+    for s in [sd, sd + 1] + list(range(sd - 1, 0, -1)):
+        if (i == is_ and s <= nsi and (k * nsi) % s == 0 and k * nsi // s <= MAX_WARPS
+                and k * nsi * STEP_U32 * 4 <= SHARED_LIMIT):
+            return s
+    return 0
 
 
 def _views(b8):
@@ -563,8 +894,13 @@ def gate_up(cfg, views, lay, lay_host, slots, x, act, stream):
     b32, b16 = _views(b8)
     sg = cfg[1]
     wg, _ = _shape(lay_host, slots.shape[0], sg, cfg[3])
-    grid = slots.shape[0] * cdiv(int(lay_host[7]), 8)
     L = [int32(v) for v in lay_host]
+    if lean_steps(cfg, lay_host, slots.shape[0], "gate_up"):
+        lean_kernels(sg, cfg[2][2])[0][(cdiv(int(lay_host[7]), 8), slots.shape[0]), wg * WARP,
+                                       stream, wg * sg * STEP_U32 * 4](
+            b32, b16, bf, slots, x, act, L[0], L[1], L[2], L[3], L[7], L[8])
+        return
+    grid = slots.shape[0] * cdiv(int(lay_host[7]), 8)
     kernels(sg, *cfg[2])[0][grid, wg * WARP, stream, wg * sg * STEP_U32 * 4 + 16](
         b32, b16, bf, slots, x, act, L[0], L[1], L[2], L[3], L[6], L[7], L[8])
 
@@ -575,6 +911,15 @@ def down(cfg, views, lay, lay_host, slots, weights, act, out, stream, accumulate
     sd = cfg[3]
     _, wd = _shape(lay_host, slots.shape[0], cfg[1], sd)
     L = [int32(v) for v in lay_host]
+    sl = lean_steps(cfg, lay_host, slots.shape[0], "down")
+    if sl:
+        nsi = int(lay_host[9]) // STEP
+        wl = slots.shape[0] * nsi // sl
+        lean_kernels(sl, cfg[2][2], nsi)[1][
+            cdiv(int(lay_host[6]), 16), wl * WARP, stream, wl * sl * STEP_U32 * 4](
+            b32, b16, bf, slots, weights, act, out, int32(1 if accumulate else 0), L[4], L[5],
+            L[6])
+        return
     kernels(sd, *cfg[2])[1][cdiv(int(lay_host[6]), 16), wd * WARP, stream, wd * sd * STEP_U32 * 4 + 16](
         b32, b16, bf, slots, weights, act, out, int32(1 if accumulate else 0), L[4], L[5], L[6],
         L[7], L[9])

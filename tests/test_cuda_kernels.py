@@ -538,6 +538,10 @@ def run_sim_checks() -> None:
     # default's scale placement) with accumulate, the f16-scaled A without
     check_experts("nvfp4", 120, 128, 3, 4, rng, variant="mma-g1-d2-c")
     check_experts("nvfp4", 120, 128, 3, 4, rng, variant="mma-g1-d2-a1", accumulate=False)
+    # the lean kernels (H = Hs, I = Is): one step a warp; two, the second warp's down steps
+    # in the second expert
+    check_experts("nvfp4", 128, 128, 3, 4, rng, variant="mma-g1-d1-p4-c-l")
+    check_experts("nvfp4", 256, 256, 2, 3, rng, variant="mma-g2-d2-p5-c-l", accumulate=False)
     print(f"ok experts nvfp4 mma {time.time() - t0:.0f}s", flush=True)
     for fmt in ("nvfp4", "bf16"):
         check_experts_grouped(fmt, 32, 16, 2, 3, 4, rng, variant="legacy")
@@ -628,6 +632,24 @@ def test_experts_gpu(fmt, h, i, k):
     check_experts(fmt, h, i, k, k + 4, rng, bank=bank)
     for v in live_variants(fmt)[1:]:
         check_experts(fmt, h, i, k, k + 4, rng, bank=bank, variant=v)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("h,i,k", SHAPES)
+@pytest.mark.parametrize("hint", [3, 4, 5])
+def test_experts_lean_gpu(h, i, k, hint):
+    """The lean NVFP4 kernels ("-l") with each weight-load hint, against the oracle; both
+    halves run lean at every shape (2560 x 640's down has 50 steps: 5 a warp there)."""
+    from kernels_numba import gpu_experts as ge
+    from kernels_numba import gpu_experts_mma as gm
+    rng = np.random.default_rng(8)
+    bank = make_bank("nvfp4", h, i, k + 4, rng)
+    v = f"mma-g4-d4-p{hint}-c-l"
+    cfg, lh = ge.parse_variant("nvfp4", v), bank[1].as_array()
+    assert gm.lean_steps(cfg, lh, k, "gate_up") == 4
+    assert gm.lean_steps(cfg, lh, k, "down") == (5 if h == 2560 else 4)
+    check_experts("nvfp4", h, i, k, k + 4, rng, bank=bank, variant=v)
 
 
 @pytest.mark.gpu

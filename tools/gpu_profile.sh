@@ -36,7 +36,7 @@ PY
     op) python3 tools/op_profile.py /tmp/q30 --vram-gb 40 --prompt-len 2048 --out "$OUT/op$TAG.json" 2>&1 \
          | grep -v -i warn | tail -40 | tee "$OUT/op$TAG.log" ;;
     sweep) timeout ${SWEEP_S:-300} python3 tools/sweep_experts.py "$OUT/sweep.json" --formats nvfp4 \
-         --variants "${VARIANTS:-mma-g4-d4-p3-c}" 2>&1 | grep -v -i warn | tail -30 | tee "$OUT/sweep.log" ;;
+         --variants "${VARIANTS:-mma-g4-d4-p3-c,mma-g4-d4-p5-c-l}" 2>&1 | grep -v -i warn | tail -30 | tee "$OUT/sweep.log" ;;
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_gpu_engine.py \
          -k "streaming or graph_replay or device_sampling" 2>&1 | tail -15 | tee "$OUT/tests.log" ;;
     stream) [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1
