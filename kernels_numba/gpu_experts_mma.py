@@ -167,14 +167,18 @@ else:
                 idx = [context.cast(builder, v, t, types.intp)
                        for v, t in zip(args[1:], sig.args[1:])]
                 ptr = cgutils.get_item_pointer(context, builder, sig.args[0], arr, idx)
-                fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
-                asm = ir.InlineAsm(fnty, f"ld.global{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4];",
-                                   "=r,=r,=r,=r,l", side_effect=True)
-                res = builder.call(asm, [ptr])
-                return context.make_tuple(builder, sig.return_type,
-                                          [builder.extract_value(res, x) for x in range(4)])
+                return _emit_ld4(context, builder, sig, hint, ptr)
             return sig, codegen
         return ld4
+
+    def _emit_ld4(context, builder, sig, hint, addr):
+        """ld.global<hint>.v4.u32 at addr (a pointer or an i64) -> a tuple of 4 uint32."""
+        fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [addr.type])
+        asm = ir.InlineAsm(fnty, f"ld.global{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4];",
+                           "=r,=r,=r,=r,l", side_effect=True)
+        res = builder.call(asm, [addr])
+        return context.make_tuple(builder, sig.return_type,
+                                  [builder.extract_value(res, x) for x in range(4)])
 
     # cache hints of the weight loads (variant "-p<P>"): non-coherent (.nc) plain, with 128 /
     # 256-byte L2 prefetch, and with no L1 allocation too (the weights are read once); then the
@@ -207,13 +211,8 @@ else:
             sig = types.UniTuple(types.uint32, 4)(a, i, off, k)
 
             def codegen(context, builder, sig, args):
-                addr = _row_ptr(context, builder, sig, args, 4)
-                fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ir.IntType(64)])
-                asm = ir.InlineAsm(fnty, f"ld.global{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4];",
-                                   "=r,=r,=r,=r,l", side_effect=True)
-                res = builder.call(asm, [addr])
-                return context.make_tuple(builder, sig.return_type,
-                                          [builder.extract_value(res, x) for x in range(4)])
+                return _emit_ld4(context, builder, sig, hint,
+                                 _row_ptr(context, builder, sig, args, 4))
             return sig, codegen
         return ld4x
 
@@ -403,6 +402,44 @@ def _store_unit(bsh, base, v0, v1, v2, v3, v4, v5, v6, v7):
     bsh[base + 19] = l3
 
 
+@cuda.jit(device=True, inline=True)
+def _meet(part, wp, g, t, a, b, inv):
+    """A warp's sums of rows g and 8 + g (lane t = 0 of each quad holds them) into part[wp],
+    then a block barrier."""
+    if t == 0:
+        part[wp, g] = a * inv
+        part[wp, 8 + g] = b * inv
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True, inline=True)
+def _gate_up_out(part, wp, g, t, dg, du, inv, tid, r0, I, act, k, bankf, slot):
+    """The warps' gate / up row sums meet in part -> act[k, r0 + tid] = silu(gate) * up for
+    the block's 8 rows (bankf[slot, :2]: the expert's global scales)."""
+    _meet(part, wp, g, t, dg, du, inv)
+    rr = r0 + tid
+    if tid < 8 and rr < I:
+        sg = float32(0.0)
+        su = float32(0.0)
+        for w in range(int32(cuda.blockDim.x) >> 5):
+            sg += part[w, tid]
+            su += part[w, 8 + tid]
+        act[k, rr] = silu(sg * float32(128.0) * bankf[slot, 0]) * \
+            (su * float32(128.0) * bankf[slot, 1])
+
+
+@cuda.jit(device=True, inline=True)
+def _down_out(part, wp, g, t, d0, d1, inv, tid, r0, H, out, accumulate):
+    """The warps' sums of the block's 16 output rows meet in part -> out[r0 + tid] (+=)."""
+    _meet(part, wp, g, t, d0, d1, inv)
+    rr = r0 + tid
+    if tid < 16 and rr < H:
+        o = float32(0.0)
+        for w in range(int32(cuda.blockDim.x) >> 5):
+            o += part[w, tid]
+        out[rr] = o * float32(128.0) + (out[rr] if accumulate else float32(0.0))
+
+
 def _fns(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, LEAN: int = 0):
     """(load, fill, steps): a warp's device functions for S steps (S * 128 columns) a warp, the
     loads of LA steps in flight ahead of the one multiplied (LA = S: every load issued first),
@@ -581,19 +618,7 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
         inv = fill(bsh, v, red)
         dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, wp, nst, int32(1),
                        ga, ua, gs, us, False)
-        if t == 0:
-            part[wp, g] = dg * inv
-            part[wp, 8 + g] = du * inv
-        cuda.syncthreads()
-        rr = r0 + tid
-        if tid < 8 and rr < I:
-            sg = float32(0.0)
-            su = float32(0.0)
-            for w in range(nt >> 5):
-                sg += part[w, tid]
-                su += part[w, 8 + tid]
-            act[k, rr] = silu(sg * float32(128.0) * bankf[slot, 0]) * \
-                (su * float32(128.0) * bankf[slot, 1])
+        _gate_up_out(part, wp, g, t, dg, du, inv, tid, r0, I, act, k, bankf, slot)
 
     @cuda.jit
     def down(bank32, bank16, bankf, slots, weights, act, out, accumulate, dq, dsc, H, I, Is):
@@ -643,16 +668,7 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
         inv = fill(bsh, v, red)
         d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), wp, wp, nst, nsi,
                        da, db, sa, sb, True)
-        if t == 0:
-            part[wp, g] = d0 * inv
-            part[wp, 8 + g] = d1 * inv
-        cuda.syncthreads()
-        rr = r0 + tid
-        if tid < 16 and rr < H:
-            o = float32(0.0)
-            for w in range(nt >> 5):
-                o += part[w, tid]
-            out[rr] = o * float32(128.0) + (out[rr] if accumulate else float32(0.0))
+        _down_out(part, wp, g, t, d0, d1, inv, tid, r0, H, out, accumulate)
 
     return pdl_kernel(gate_up), pdl_kernel(down)
 
@@ -723,19 +739,7 @@ def _make_lean(S: int, P: int, NSI: int):
         inv = fill(bsh, v, red)
         dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, wp, int32(Hs >> 7),
                        int32(1), int32(0), int32(0), int32(0), int32(0), False)
-        if t == 0:
-            part[wp, g] = dg * inv
-            part[wp, 8 + g] = du * inv
-        cuda.syncthreads()
-        rr = r0 + tid
-        if tid < 8 and rr < I:
-            sg = float32(0.0)
-            su = float32(0.0)
-            for w in range(int32(cuda.blockDim.x) >> 5):
-                sg += part[w, tid]
-                su += part[w, 8 + tid]
-            act[k, rr] = silu(sg * float32(128.0) * bankf[slot, 0]) * \
-                (su * float32(128.0) * bankf[slot, 1])
+        _gate_up_out(part, wp, g, t, dg, du, inv, tid, r0, I, act, k, bankf, slot)
 
     U = np.uint32
     _NSI = U(NSI)
@@ -811,16 +815,7 @@ def _make_lean(S: int, P: int, NSI: int):
         d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), int32(wp),
                        int32(wp), int32(0), int32(NSI), int32(0), int32(0), int32(0), int32(0),
                        True)
-        if t == 0:
-            part[wp, g] = d0 * inv
-            part[wp, 8 + g] = d1 * inv
-        cuda.syncthreads()
-        rr = r0 + tid
-        if tid < 16 and rr < H:
-            o2 = float32(0.0)
-            for w in range(int32(cuda.blockDim.x) >> 5):
-                o2 += part[w, tid]
-            out[rr] = o2 * float32(128.0) + (out[rr] if accumulate else float32(0.0))
+        _down_out(part, wp, g, t, d0, d1, inv, tid, r0, H, out, accumulate)
 
     return pdl_kernel(gate_up), pdl_kernel(down)
 
