@@ -490,12 +490,11 @@ def _fns(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, LEAN: int = 
         return inv
 
     @cuda.jit(device=True, inline=True)
-    def steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot0, wp, wl, nst, nsi, a0, a1, s0,
-              s1, down):
+    def steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot0, wp, nst, nsi, a0, a1, s0, s1,
+              down):
         """The warp's S steps: rows g (words wv[8 s + q], scales sv[2 s]) and g + 8 (wv[8 s + 4 +
-        q], sv[2 s + 1]) against the B fragments of steps wp S .. wp S + S - 1 of bsh; steps
-        LA .. S - 1 are loaded here, LA steps ahead of the one multiplied, as the weights' steps
-        of warp wl (wp where a block is one item)."""
+        q], sv[2 s + 1]) against the B fragments of steps wp S .. wp S + S - 1; steps LA .. S - 1
+        are loaded here, LA steps ahead of the one multiplied."""
         lane = uint32(cuda.threadIdx.x) & uint32(31)
         sel = ((((lane >> _S2) & uint32(1)) << _S2) | (lane & uint32(3))) << _S2
         st0 = wp * int32(S)
@@ -509,7 +508,7 @@ def _fns(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0, LEAN: int = 
         c3 = float32(0.0)
         for s in range(S):
             if s + LA < S:
-                load(bank32, bank16, slots, slot0, wv, sv, s + LA, wl, nst, nsi, a0, a1, s0, s1,
+                load(bank32, bank16, slots, slot0, wv, sv, s + LA, wp, nst, nsi, a0, a1, s0, s1,
                      down)
             if MODE == 2:
                 x_ = sv[2 * s] ^ sv[2 * s + 1]
@@ -616,8 +615,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
                 a = x[uint32(min(e, H - int32(1)))] if MODE != 1 else float32(1.0)
                 v[8 * i + j] = a if e < H else float32(0.0)
         inv = fill(bsh, v, red)
-        dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, wp, nst, int32(1),
-                       ga, ua, gs, us, False)
+        dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, nst, int32(1), ga, ua,
+                       gs, us, False)
         _gate_up_out(part, wp, g, t, dg, du, inv, tid, r0, I, act, k, bankf, slot)
 
     @cuda.jit
@@ -666,8 +665,8 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
                 a = act[ke, uint32(min(e, I - int32(1)))] * f if MODE != 1 else float32(1.0)
                 v[8 * i + j] = a if e < I and st < nst else float32(0.0)
         inv = fill(bsh, v, red)
-        d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), wp, wp, nst, nsi,
-                       da, db, sa, sb, True)
+        d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), wp, nst, nsi, da, db,
+                       sa, sb, True)
         _down_out(part, wp, g, t, d0, d1, inv, tid, r0, H, out, accumulate)
 
     return pdl_kernel(gate_up), pdl_kernel(down)
@@ -676,11 +675,13 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
 def _make_lean(S: int, P: int, NSI: int):
     """(gate_up, down) as _make(S, S, 0, P, 1) computes them ("-l"), for layouts where no
     step is clamped (H and I multiples of 128, Hs / 128 and K * NSI multiples of S, S <= NSI =
-    Is / 128, down compiled for its NSI), with the instruction count cut: the weights and scales are read at 32-bit
-    offsets from their slot's row (the same addresses, not 64-bit index arithmetic for every
-    load), gate_up's grid is (row groups, K) (no division for the expert), x and act come in
-    16-byte loads, the fill stores 16 bytes at a time and no block barrier stands between
-    the weight loads and the steps. Same sums in the same order: the same results."""
+    Is / 128; down is compiled for its NSI), with the instruction count cut: the weights and
+    scales are read at 32-bit offsets from their slot's row (the same addresses, not 64-bit
+    index arithmetic for every load), gate_up's grid is (row groups, K) (no division for the
+    expert), x and act come in 16-byte loads, the fill stores 16 bytes at a time, and the one
+    barrier before the steps sits right after the loads (no zero chunk to publish; with
+    coherent loads, -p4 / -p5, ptxas keeps them above it). Same sums in the same order: the
+    same results."""
     UPT = cdiv(S, 2)
     NV = 8 * UPT
     NW8 = 8 * S
@@ -737,7 +738,7 @@ def _make_lean(S: int, P: int, NSI: int):
         # dependent trips to HBM); coherent loads (-p4 / -p5) stay above a barrier
         cuda.syncthreads()
         inv = fill(bsh, v, red)
-        dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, wp, int32(Hs >> 7),
+        dg, du = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, slot, wp, int32(Hs >> 7),
                        int32(1), int32(0), int32(0), int32(0), int32(0), False)
         _gate_up_out(part, wp, g, t, dg, du, inv, tid, r0, I, act, k, bankf, slot)
 
@@ -813,8 +814,7 @@ def _make_lean(S: int, P: int, NSI: int):
         cuda.syncthreads()             # as in gate_up
         inv = fill(bsh, v, red)
         d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), int32(wp),
-                       int32(wp), int32(0), int32(NSI), int32(0), int32(0), int32(0), int32(0),
-                       True)
+                       int32(0), int32(NSI), int32(0), int32(0), int32(0), int32(0), True)
         _down_out(part, wp, g, t, d0, d1, inv, tid, r0, H, out, accumulate)
 
     return pdl_kernel(gate_up), pdl_kernel(down)
@@ -855,9 +855,10 @@ def lean_steps(cfg, lay_host, k: int, half: str) -> int:
     if half == "gate_up":
         return cfg[1] if h == hs and (hs // STEP) % cfg[1] == 0 else 0
     nsi, sd = is_ // STEP, cfg[3]
+    if i != is_ or k * nsi * STEP_U32 * 4 > SHARED_LIMIT:   # a block's fragments: K * NSI steps
+        return 0
     for s in [sd, sd + 1] + list(range(sd - 1, 0, -1)):
-        if (i == is_ and s <= nsi and (k * nsi) % s == 0 and k * nsi // s <= MAX_WARPS
-                and k * nsi * STEP_U32 * 4 <= SHARED_LIMIT):
+        if s <= nsi and (k * nsi) % s == 0 and k * nsi // s <= MAX_WARPS:
             return s
     return 0
 

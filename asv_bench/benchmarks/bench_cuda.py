@@ -129,11 +129,6 @@ class ExpertSetup:
         st = stream or self.stream
         threads = threads or ge.THREADS   # block size of the legacy kernels only
         for l in range(self.layers):
-            if part == "both" and threads == ge.THREADS:   # as the engine calls it (one launch
-                ge.expert_mlp(self.fmt, self.views, self.dlay, self.lh, self.slots[l],   # for
-                              self.wts, self.x, self.act, self.out, st, False, variant,  # "-one")
-                              min_blocks, unroll)
-                continue
             if part in ("both", "gate_up"):
                 ge.expert_gate_up(self.fmt, self.views, self.dlay, self.lh, self.slots[l], self.x,
                                   self.act, st, variant, min_blocks, unroll, threads)
