@@ -50,8 +50,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from .gpu_util import (FULL_MASK, M32, NEG_INF, SIM, WARP, aligned, block_max, block_sum, cdiv,
-                        int_as_float, ld2, ld2cg, ld4, ld4cg, pdl_kernel, pdl_trigger, pdl_wait,
-                        warp_max, warp_sum, warp_sync)
+                        globaltimer, int_as_float, ld1cg, ld2, ld2cg, ld4, ld4cg, lds4,
+                        pdl_kernel, pdl_trigger, pdl_wait, st4, warp_max, warp_sum, warp_sync)
 
 ATT_WARPS = 2 if SIM else 4   # partial: warps a block
 KB = 2                        # partial: keys a warp scores at once (H200 sweep: 2 beats 4, 8)
@@ -413,6 +413,8 @@ V2F_WAVES = 1                 # v2f: fewer pieces, so the last block has less to
 C2_THREADS = 32 if SIM else 128   # combine2: a block per (query, head)
 C2_U = 4 if SIM else 16       # combine2: pieces a warp keeps in flight (64 pieces: one round)
 F_U = 4 if SIM else 16        # v2f merge: pieces a thread keeps in flight
+F_MAX = 4 if SIM else 36      # v2f lean merge: at most this many (merge_unroll())
+LEAN2 = True                  # partial2's lean merges (the _make_partial2 doc)
 LOG2E = 1.4426950408889634
 _SMS = []                     # the device's SM count, read once
 
@@ -478,9 +480,20 @@ def _dec_bf16(buf, o, v, vo):
     v[vo + 3] = int_as_float(hi & _XFFFF0000)
 
 
-def _make_partial2(BF, G, NCL, KB, NW, FUSED):
+NSTAMP = 8                    # partial2 TRACE: timestamps a block
+
+
+def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
     """BF: bf16 cache (else fp32); G heads a kv head; NCL chunks of 4 values a lane cover D; KB
-    keys a warp step (GP * KB <= 32); NW warps; FUSED: v2f (merge in the last block)."""
+    keys a warp step (GP * KB <= 32); NW warps; FUSED: v2f (merge in the last block). TRACE
+    (timeline tools only): thread 0 of block b stores the low 32 bits of %globaltimer at its
+    NSTAMP phases (entry, after the PDL wait, the first step, the loop, the partials stored, the
+    ticket, then in the last block the merge factors and the end) as flat floats b * NSTAMP + k
+    of pacc[:, P - 1, :], a piece no decode with P2 < P uses. LEAN: the warps' merge and the
+    last block's merge with 16-byte shared / global stores and no integer division (each thread
+    computes its head's warp factors itself: one barrier, not two), the last block's first FU
+    pieces and pm / pl loaded together before its factors (one L2 round trip for all, not
+    three or more); the same sums in the same order as without."""
     GP = 1 << (G - 1).bit_length()     # G padded to a power of 2
     N = GP * KB                        # partial dot products a lane holds before the reduction
     LN = N.bit_length() - 1
@@ -496,12 +509,22 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
     DP = NCL * WARP * 4                # padded head dim
     RED = 3 * NT if SIM else 1
     FP = MAX_SPLITS if FUSED else 1
-    FU = F_U
-    FU4 = F_U * 4
+    FU4 = FU * 4
+    CH = NCL * WARP                    # 4-value chunks a head, padded
+    PU = cdiv(MAX_SPLITS, WARP)        # pieces a lane reads for the merge factors
+    WSH = (1, 1, 4) if LEAN else (NW, G, DP)
+    W1 = NW * G * DP if LEAN else 4
     NG = N + GP                        # (array sizes must be plain constants for numba)
     get = _get_bf16 if BF else _get_f32
     get_c = _get_bf16_c if BF else _get_f32_c
     dec = _dec_bf16 if BF else _dec_f32
+
+    @cuda.jit(device=True, inline=True)
+    def stamp(pacc, b, k):
+        f = b * NSTAMP + k
+        dd = pacc.shape[2]
+        r = f // dd
+        pacc[r, pacc.shape[1] - 1, f - r * dd] = int_as_float(uint32(globaltimer() & M32))
 
     def make_load(g):
         @cuda.jit(device=True, inline=True)
@@ -574,6 +597,128 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
                     acc[g2 * C4 + x] += pg * vd[u * C4 + x]
         return mx, l * corr + p
 
+    @cuda.jit(device=True, inline=True)
+    def merge_warps(acc, wm, wl, wacc1, pm, pl, pacc, h0, p, nch, tid, lane, warp):
+        """The NW warps' (m, l, acc) of the block -> pm, pl, pacc of piece p (LEAN)."""
+        for g2 in range(G):
+            for i in range(NCL):
+                o = g2 * C4 + i * 4
+                st4(wacc1, ((warp * G + g2) * CH + i * WARP + lane) * 4, acc[o], acc[o + 1],
+                    acc[o + 2], acc[o + 3])
+        cuda.syncthreads()
+        for x in range(tid, G * CH, NT):             # (head, chunk of 4 values)
+            g2 = x // CH
+            c = x - g2 * CH
+            if c < nch:
+                mt = wm[0, g2]
+                for w in range(1, NW):
+                    mt = max(mt, wm[w, g2])
+                a0 = float32(0.0)
+                a1 = float32(0.0)
+                a2 = float32(0.0)
+                a3 = float32(0.0)
+                lt = float32(0.0)
+                for w in range(NW):
+                    mw = wm[w, g2]
+                    f = math.exp2(mw - mt) if mw > NEG_INF else float32(0.0)
+                    v0, v1, v2, v3 = lds4(wacc1, ((w * G + g2) * CH + c) * 4)
+                    a0 += v0 * f
+                    a1 += v1 * f
+                    a2 += v2 * f
+                    a3 += v3 * f
+                    lt += wl[w, g2] * f
+                st4(pacc, (h0 + g2, p, 4 * c), a0, a1, a2, a3)
+                if c == 0:
+                    pm[h0 + g2, p] = mt
+                    pl[h0 + g2, p] = lt
+
+    @cuda.jit(device=True, inline=True)
+    def merge_pieces(q_pos, window, split, P, pm, pl, pacc, out, h0, fac, linv, tk, red, nch,
+                     tid, lane, warp, blk):
+        """The ticket; the last block of the kv head merges its pieces -> out (LEAN)."""
+        # as cooperative groups' grid sync: the barrier orders the block's writes before
+        # thread 0's fence (fences are cumulative), so one thread fences, not all
+        cuda.syncthreads()
+        if tid == 0:
+            cuda.threadfence()
+            tk[0] = cuda.atomic.add(pm, (h0, pm.shape[1] - 1), float32(1.0))
+            cuda.threadfence()
+            if TRACE:
+                stamp(pacc, blk, 5)
+        cuda.syncthreads()
+        _, n, piece = _piece(q_pos, 0, window, split, P)
+        nu = (n + piece - 1) // piece
+        if tk[0] != float32(nu - 1):                  # not the last block (uniform)
+            return
+        if tid == 0:
+            pm[h0, pm.shape[1] - 1] = float32(0.0)
+        wb = cuda.local.array(FU4, float32)
+        # this thread's first (head, chunk): its first FU pieces in flight during the factors
+        g2 = min(tid // CH, G - 1)
+        c = min(tid - (tid // CH) * CH, nch - 1)
+        for u in range(FU):
+            x0, x1, x2, x3 = ld4cg(pacc, h0 + g2, min(u, nu - 1), 4 * c)
+            wb[4 * u] = x0
+            wb[4 * u + 1] = x1
+            wb[4 * u + 2] = x2
+            wb[4 * u + 3] = x3
+        mv = cuda.local.array(PU, float32)
+        lv = cuda.local.array(PU, float32)
+        for g0 in range(0, G, NW):                    # warp: head g0 + warp, lanes: pieces
+            gw = g0 + warp
+            gg = min(gw, G - 1)
+            for u in range(PU):
+                pp = min(lane + u * WARP, nu - 1)
+                mv[u] = ld1cg(pm, h0 + gg, pp)[0]
+                lv[u] = ld1cg(pl, h0 + gg, pp)[0]
+            mloc = NEG_INF
+            for u in range(PU):
+                if lane + u * WARP < nu:
+                    mloc = max(mloc, mv[u])
+            mt = warp_max(mloc, red)
+            lloc = float32(0.0)
+            for u in range(PU):
+                pp = lane + u * WARP
+                if pp < nu:
+                    f = math.exp2(mv[u] - mt)
+                    if gw < G:
+                        fac[gw, pp] = f
+                    lloc += f * lv[u]
+            lt = warp_sum(lloc, red)
+            if lane == 0 and gw < G:
+                linv[gw] = float32(1.0) / lt
+        cuda.syncthreads()
+        if TRACE and tid == 0:
+            stamp(pacc, blk, 6)
+        for x in range(tid, G * CH, NT):              # (head, chunk): FU pieces in flight
+            g2 = x // CH
+            c = x - g2 * CH
+            gg = min(g2, G - 1)
+            cc = min(c, nch - 1)
+            a0 = float32(0.0)
+            a1 = float32(0.0)
+            a2 = float32(0.0)
+            a3 = float32(0.0)
+            for p0 in range(0, nu, FU):
+                if p0 > 0 or x != tid:
+                    for u in range(FU):
+                        x0, x1, x2, x3 = ld4cg(pacc, h0 + gg, min(p0 + u, nu - 1), 4 * cc)
+                        wb[4 * u] = x0
+                        wb[4 * u + 1] = x1
+                        wb[4 * u + 2] = x2
+                        wb[4 * u + 3] = x3
+                for u in range(FU):
+                    f = fac[gg, min(p0 + u, nu - 1)] if p0 + u < nu else float32(0.0)
+                    a0 += f * wb[4 * u]
+                    a1 += f * wb[4 * u + 1]
+                    a2 += f * wb[4 * u + 2]
+                    a3 += f * wb[4 * u + 3]
+            if c < nch:
+                li = linv[gg]
+                st4(out, (0, h0 + g2, 4 * c), a0 * li, a1 * li, a2 * li, a3 * li)
+        if TRACE and tid == 0:
+            stamp(pacc, blk, 7)
+
     @cuda.jit
     def partial2(q, kc, vc, q_pos, scale2, window, split, pm, pl, pacc, out):
         """q float32 [1, Hq, D]; kc, vc [S_max, Hkv, D] float32 (or [S_max, Hkv, D / 2] uint32:
@@ -587,7 +732,11 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
         wm = cuda.shared.array((NW, G), float32)
         wl = cuda.shared.array((NW, G), float32)
         wf = cuda.shared.array((NW, G), float32)
-        wacc = cuda.shared.array((NW, G, DP), float32)
+        wacc = cuda.shared.array(WSH, float32)
+        if SIM:
+            wacc1 = cuda.shared.array(W1, float32)
+        else:
+            wacc1 = cuda.shared.array(W1, float32, alignment=16)
         fac = cuda.shared.array((G, FP), float32)
         linv = cuda.shared.array(G, float32)
         tk = cuda.shared.array(1, float32)
@@ -599,6 +748,8 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
         kvh = cuda.blockIdx.x
         p = cuda.blockIdx.y
         P = cuda.gridDim.y
+        if TRACE and tid == 0:
+            stamp(pacc, kvh * P + p, 0)
         # PDL: the positions and every cache row but the newest (the launch just before, qk_norm
         # _rope, stores that one) are read before the wait; the newest row after it
         lo, n, piece = _piece(q_pos, 0, window, split, P)
@@ -620,6 +771,8 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
             load(kc, vc, kvh, j0 + stride, newest, lane, nch, kb2, vb2)
         pdl_wait()
         pdl_trigger()
+        if TRACE and tid == 0:
+            stamp(pacc, kvh * P + p, 1)
         if not early or (j0 <= newest and newest < min(end, j0 + KB)):
             load_c(kc, vc, kvh, j0, end, lane, nch, ka, va)
         if not early or (j0 + stride <= newest and newest < min(end, j0 + stride + KB)):
@@ -643,18 +796,30 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
         for it in range(0, niter, 2):
             jb = j0 + it * stride
             m, l = step(ka, va, jb, end, 0, m, l, qv, acc, sp, red, lane, warp)
+            if TRACE and tid == 0 and it == 0:
+                stamp(pacc, kvh * P + p, 2)
             if it + 2 < niter:
                 load(kc, vc, kvh, jb + 2 * stride, end, lane, nch, ka, va)
             if it + 1 < niter:
                 m, l = step(kb2, vb2, jb + stride, end, 1, m, l, qv, acc, sp, red, lane, warp)
                 if it + 3 < niter:
                     load(kc, vc, kvh, jb + 3 * stride, end, lane, nch, kb2, vb2)
+        if TRACE and tid == 0:
+            stamp(pacc, kvh * P + p, 3)
         for b in range(LKB):           # l over the head's key slots
             l += _shfl_xor(l, (1 << SH) << b, red)
         g = (lane >> SH) >> LKB
         if (lane & ((KB << SH) - 1)) == 0 and g < G:
             wm[warp, g] = m
             wl[warp, g] = l
+        if LEAN:
+            merge_warps(acc, wm, wl, wacc1, pm, pl, pacc, h0, p, nch, tid, lane, warp)
+            if TRACE and tid == 0:
+                stamp(pacc, kvh * P + p, 4)
+            if FUSED:
+                merge_pieces(q_pos, window, split, P, pm, pl, pacc, out, h0, fac, linv, tk,
+                             red, nch, tid, lane, warp, kvh * P + p)
+            return
         for g2 in range(G):
             for i in range(NCL):
                 for e in range(4):
@@ -688,10 +853,14 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
             # as cooperative groups' grid sync: the barrier orders the block's writes before
             # thread 0's fence (fences are cumulative), so one thread fences, not all
             cuda.syncthreads()
+            if TRACE and tid == 0:
+                stamp(pacc, kvh * P + p, 4)
             if tid == 0:
                 cuda.threadfence()
                 tk[0] = cuda.atomic.add(pm, (h0, pm.shape[1] - 1), float32(1.0))
                 cuda.threadfence()
+                if TRACE:
+                    stamp(pacc, kvh * P + p, 5)
             cuda.syncthreads()
             nu = (n + piece - 1) // piece
             if tk[0] != float32(nu - 1):                  # not the last block (uniform)
@@ -715,6 +884,8 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
                 if lane == 0 and g2 < G:
                     linv[g2] = float32(1.0) / lt
             cuda.syncthreads()
+            if TRACE and tid == 0:
+                stamp(pacc, kvh * P + p, 6)
             wb = cuda.local.array(FU4, float32)
             for x in range(tid, G * nch, NT):             # (head, chunk): FU pieces in flight
                 g2 = x // nch
@@ -741,6 +912,8 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED):
                 out[0, h0 + g2, 4 * c + 1] = a1 * li
                 out[0, h0 + g2, 4 * c + 2] = a2 * li
                 out[0, h0 + g2, 4 * c + 3] = a3 * li
+            if TRACE and tid == 0:
+                stamp(pacc, kvh * P + p, 7)
     return partial2
 
 
@@ -853,17 +1026,28 @@ def v2_pieces(s_max: int, hkv: int, p_alloc: int, fused: bool, split: int = SPLI
     return max(1, min(p2, p_alloc))
 
 
-def partial2_kernel(kind: str, g: int, d: int, kb: int, warps: int, fused: bool):
+def merge_unroll(p2: int) -> int:
+    """Pieces a thread of the v2f last block keeps in flight (LEAN) for P2 pieces: all of them
+    in one round up to F_MAX, else the fewest equal rounds."""
+    return cdiv(p2, cdiv(p2, F_MAX))
+
+
+def partial2_kernel(kind: str, g: int, d: int, kb: int, warps: int, fused: bool,
+                    trace: bool = False, lean: bool = LEAN2, p2: int = 1):
     """(kernel, warps, kb) of the v2 partial for a cache kind ("f32" / "bf16"), group size g
-    (<= 32) and head dim d (a multiple of 4); kb is lowered to a power of 2 with GP * kb <= 32."""
+    (<= 32) and head dim d (a multiple of 4); kb is lowered to a power of 2 with GP * kb <= 32.
+    trace, lean: the TRACE / LEAN builds (_make_partial2); p2: the pieces it runs with (the
+    lean v2f merge's unroll)."""
     gp = 1 << (g - 1).bit_length()
     kb = max(1, min(1 << (max(1, kb).bit_length() - 1), WARP // gp))
     ncl = cdiv(d // 4, WARP)
     dp = ncl * WARP * 4
     nw = max(1, min(warps, SMEM_FLOATS // (g * dp)))
-    key = (kind, g, ncl, kb, nw, bool(fused))
+    fu = merge_unroll(p2) if fused and lean else F_U
+    key = (kind, g, ncl, kb, nw, bool(fused), bool(trace), bool(lean), fu)
     if key not in _PARTIAL2:
-        _PARTIAL2[key] = pdl_kernel(_make_partial2(kind == "bf16", g, ncl, kb, nw, bool(fused)))
+        _PARTIAL2[key] = pdl_kernel(_make_partial2(kind == "bf16", g, ncl, kb, nw, bool(fused),
+                                                   bool(trace), bool(lean), fu))
     return _PARTIAL2[key], nw, kb
 
 
@@ -875,7 +1059,7 @@ def _combine2_kernel(d: int):
 
 
 def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb, warps,
-               fused, splits):
+               fused, splits, lean):
     """The v2 / v2f decode (see the module doc); False where it does not apply (the caller
     takes the base path)."""
     t, hq, d = q.shape
@@ -890,7 +1074,7 @@ def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb
     ncl = cdiv(d // 4, WARP)
     kb = (V2_KB if ncl == 1 else 2) if kb is None else kb
     warps = (V2F_WARPS if fused else V2_WARPS) if warps is None else warps
-    kern, nw, _ = partial2_kernel(kind, g, d, kb, warps, fused)
+    kern, nw, _ = partial2_kernel(kind, g, d, kb, warps, fused, lean=lean, p2=p2)
     if kind == "bf16":
         kv = (kc.view(np.uint32), vc.view(np.uint32))
     else:
@@ -920,7 +1104,7 @@ def alloc_partials(t: int, hq: int, d: int, s_max: int, split: int = SPLIT):
 
 
 def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SPLIT, kb=None,
-              warps=None, fused=None, variant=None, splits=None):
+              warps=None, fused=None, variant=None, splits=None, lean=None):
     """q float32 [T, Hq, D], caches [S_max, Hkv, D] -> out float32 [T, Hq, D].
 
     split: fewest keys a block takes; kb, warps: partial-kernel variants (default KB /
@@ -929,7 +1113,7 @@ def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SP
     separate combine kernel. variant: the decode (T = 1) path, one of VARIANTS (default
     DECODE_VARIANT; v2 / v2f need D % 4 == 0, G <= 32 and rows of q, the caches and the
     partials aligned to their 4-value chunks, else base runs); splits: v2 / v2f pieces a kv
-    head (default decode_splits()).
+    head (default decode_splits()); lean: v2 / v2f's lean merges (default LEAN2).
     Returns the path that ran: "base", "v2" or "v2f"."""
     variant = DECODE_VARIANT if variant is None else variant
     if variant not in VARIANTS:
@@ -949,7 +1133,8 @@ def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SP
         raise ValueError(f"partials {pm.shape} do not fit {t} queries x {hq} heads "
                          f"(at most {MAX_SPLITS} splits; allocate with alloc_partials())")
     if variant != "base" and _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window,
-                                        split, kb, warps, variant == "v2f", splits):
+                                        split, kb, warps, variant == "v2f", splits,
+                                        LEAN2 if lean is None else lean):
         return variant
     kb = KB if kb is None else kb
     warps = ATT_WARPS if warps is None else warps

@@ -151,16 +151,19 @@ else:
                 ptr = cgutils.get_item_pointer(context, builder, aty, arr, ix)
                 fl = aty.dtype == types.float32
                 elt = context.get_value_type(aty.dtype)
-                fnty = ir.FunctionType(ir.LiteralStructType([elt] * width), [ptr.type])
+                ret = ir.LiteralStructType([elt] * width) if width > 1 else elt
+                fnty = ir.FunctionType(ret, [ptr.type])
                 regs = ",".join(f"${x}" for x in range(width))
+                vec, dst = (f".v{width}", f"{{{regs}}}") if width > 1 else ("", "$0")
                 cons = ",".join(["=f" if fl else "=r"] * width) + ",l"
                 op = "ld.global" + (f".{cop}" if cop else "")
                 asm = ir.InlineAsm(
-                    fnty, f"{op}.v{width}.{'f32' if fl else 'u32'} {{{regs}}}, [${width}];",
+                    fnty, f"{op}{vec}.{'f32' if fl else 'u32'} {dst}, [${width}];",
                     cons + (",~{memory}" if ordered else ""), side_effect=ordered or volatile)
                 res = builder.call(asm, [ptr])
-                return context.make_tuple(builder, sig.return_type,
-                                          [builder.extract_value(res, x) for x in range(width)])
+                vals = [builder.extract_value(res, x) for x in range(width)] if width > 1 \
+                    else [res]
+                return context.make_tuple(builder, sig.return_type, vals)
             return sig, codegen
         return ld
 
@@ -168,6 +171,7 @@ ld4 = make_ld(4, "nc")          # 16 bytes of data the kernel only reads
 ld2 = make_ld(2, "nc")          # 8 bytes
 ld4cg = make_ld(4, "cg", True)  # 16 bytes other blocks of this launch wrote (after a fence),
 ld2cg = make_ld(2, "cg", True)  # or the launch before wrote (after pdl_wait): L2, kept after it
+ld1cg = make_ld(1, "cg", True)  # 4 bytes, the same
 # ld4 kept where it is written: loads issued ahead of a barrier that must stay ahead of it
 # (LLVM sees a side-effect-free asm as touching no memory and may sink it past the barrier
 # to its use; ptxas keeps such loads before the bar.sync, sm_90 checked)
@@ -204,6 +208,49 @@ else:
             return context.make_tuple(builder, sig.return_type,
                                       [builder.extract_element(v, ir.Constant(ir.IntType(32), k))
                                        for k in range(4)])
+        return sig, codegen
+
+
+# st4(a, idx, v0, v1, v2, v3): a[idx:idx + 4] = v0 .. v3 as one 16-byte store (st.v4; into
+# shared memory st.shared.v4), a float32 / uint32 array of any rank, idx one integer or a tuple
+# of one a axis (the last one's four elements are written); 16-byte aligned there.
+if SIM:
+    @cuda.jit(device=True)
+    def st4(a, idx, v0, v1, v2, v3):
+        if isinstance(idx, tuple):
+            head, k = idx[:-1], idx[-1]
+        else:
+            head, k = (), idx
+        for c, v in enumerate((v0, v1, v2, v3)):
+            a[head + (k + c,)] = v
+else:
+    @intrinsic
+    def st4(typingctx, a, idx, v0, v1, v2, v3):
+        ix = list(idx) if isinstance(idx, types.BaseTuple) else [idx]
+        if not (isinstance(a, types.Array) and a.ndim == len(ix)
+                and a.dtype in (types.float32, types.uint32)
+                and all(isinstance(i, types.Integer) for i in ix)):
+            return None
+        sig = types.none(a, idx, v0, v1, v2, v3)
+
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            arr = context.make_array(aty)(context, builder, value=args[0])
+            if isinstance(sig.args[1], types.BaseTuple):
+                vals = zip(cgutils.unpack_tuple(builder, args[1]), sig.args[1])
+            else:
+                vals = [(args[1], sig.args[1])]
+            ptr = cgutils.get_item_pointer(context, builder, aty, arr,
+                                           [context.cast(builder, v, t, types.intp)
+                                            for v, t in vals])
+            elt = context.get_value_type(aty.dtype)
+            vt = ir.VectorType(elt, 4)
+            vec = ir.Constant(vt, ir.Undefined)
+            for x, (v, ty) in enumerate(zip(args[2:], sig.args[2:])):
+                vec = builder.insert_element(vec, context.cast(builder, v, ty, aty.dtype),
+                                             ir.Constant(ir.IntType(32), x))
+            builder.store(vec, builder.bitcast(ptr, vt.as_pointer()), align=16)
+            return context.get_dummy_value()
         return sig, codegen
 
 
@@ -320,6 +367,10 @@ if SIM:
         pass
 
     pdl_wait = pdl_trigger = fence_system = pause = _noop
+
+    @cuda.jit(device=True)
+    def globaltimer():
+        return uint64(0)
 else:
     def _target_at_least(cc) -> bool:
         """Whether the kernel being compiled targets compute capability cc or later."""
@@ -345,6 +396,15 @@ else:
                 return context.get_dummy_value()
             return types.none(), codegen
         return op
+
+    @intrinsic
+    def globaltimer(typingctx):
+        """The GPU's nanosecond clock (%globaltimer, the same on every SM): for timeline tools."""
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), []), "mov.u64 $0, %globaltimer;",
+                               "=l,~{memory}", side_effect=True)
+            return builder.call(asm, [])
+        return types.uint64(), codegen
 
     pdl_wait = _asm_op("griddepcontrol.wait;", lambda: _pdl_target())
     pdl_trigger = _asm_op("griddepcontrol.launch_dependents;", lambda: _pdl_target())
@@ -531,5 +591,6 @@ def poison(arr) -> None:
 __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "float_as_uint",
            "bf16_lo", "bf16_hi", "bf16_at", "to_bf16", "putter", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
            "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15",
-           "make_ld", "ld4", "ld2", "ld4cg", "ld2cg", "ld4_pinned", "lds4", "cp_async4",
+           "make_ld", "ld4", "ld2", "ld4cg", "ld2cg", "ld1cg", "ld4_pinned", "lds4", "st4",
+           "cp_async4", "globaltimer",
            "cp_async_wait", "prefetch_l2", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]

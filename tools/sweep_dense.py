@@ -85,7 +85,9 @@ else:
                     dict(variant="v2"), dict(variant="v2", kb=2), dict(variant="v2", warps=2),
                     dict(variant="v2", warps=8), dict(variant="v2", splits=33),
                     dict(variant="v2", splits=128), dict(variant="v2", splits=33, warps=8),
-                    dict(variant="v2f"), dict(variant="v2f", warps=4), dict(variant="v2f", kb=2),
+                    dict(variant="v2", splits=33, warps=8, lean=False),
+                    dict(variant="v2f"), dict(variant="v2f", lean=False),
+                    dict(variant="v2f", warps=4), dict(variant="v2f", kb=2),
                     dict(variant="v2f", splits=17), dict(variant="v2f", splits=66),
                     dict(variant="v2f", splits=66, warps=4),
                     dict(variant="v2f", splits=17, warps=4)]
