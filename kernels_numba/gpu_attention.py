@@ -50,8 +50,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from .gpu_util import (FULL_MASK, M32, NEG_INF, SIM, WARP, aligned, block_max, block_sum, cdiv,
-                        globaltimer, int_as_float, ld1cg, ld2, ld2cg, ld4, ld4cg, lds4,
-                        pdl_kernel, pdl_trigger, pdl_wait, st4, warp_max, warp_sum, warp_sync)
+                        globaltimer, int_as_float, ld1cg, ld2, ld2cg, ld2o, ld2ocg, ld4,
+                        ld4cg, ld4o, ld4ocg, lds4, pdl_kernel, pdl_trigger, pdl_wait, st4, warp_max, warp_sum, warp_sync)
 
 ATT_WARPS = 2 if SIM else 4   # partial: warps a block
 KB = 2                        # partial: keys a warp scores at once (H200 sweep: 2 beats 4, 8)
@@ -464,6 +464,19 @@ _get_f32, _get_bf16 = _make_get(ld4, ld2)
 _get_f32_c, _get_bf16_c = _make_get(ld4cg, ld2cg)
 
 
+def _flat(ld):
+    """ld(a, off) at a flat 32-bit offset as _make_get's load: (a, row offset, unused, k)."""
+    @cuda.jit(device=True, inline=True)
+    def at(a, off, _h, k):
+        return ld(a, uint32(off) + uint32(k))
+    return at
+
+
+# the same with j = the row's flat 32-bit offset into the cache (h unused): the lean loads
+_geto_f32, _geto_bf16 = _make_get(_flat(ld4o), _flat(ld2o))
+_geto_f32_c, _geto_bf16_c = _make_get(_flat(ld4ocg), _flat(ld2ocg))
+
+
 @cuda.jit(device=True, inline=True)
 def _dec_f32(buf, o, v, vo):
     for e in range(4):
@@ -515,8 +528,12 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
     WSH = (1, 1, 4) if LEAN else (NW, G, DP)
     W1 = NW * G * DP if LEAN else 4
     NG = N + GP                        # (array sizes must be plain constants for numba)
-    get = _get_bf16 if BF else _get_f32
-    get_c = _get_bf16_c if BF else _get_f32_c
+    if LEAN:
+        get = _geto_bf16 if BF else _geto_f32
+        get_c = _geto_bf16_c if BF else _geto_f32_c
+    else:
+        get = _get_bf16 if BF else _get_f32
+        get_c = _get_bf16_c if BF else _get_f32_c
     dec = _dec_bf16 if BF else _dec_f32
 
     @cuda.jit(device=True, inline=True)
@@ -529,13 +546,21 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
     def make_load(g):
         @cuda.jit(device=True, inline=True)
         def load(kc, vc, kvh, j0, end, lane, nch, kb_, vb_):
-            """K and V rows of keys j0 .. j0 + KB - 1 (clamped to end - 1) -> registers."""
+            """K and V rows of keys j0 .. j0 + KB - 1 (clamped to end - 1) -> registers
+            (LEAN: at 32-bit offsets from the cache's start)."""
+            rw = uint32(kc.shape[1]) * uint32(kc.shape[2])
+            hw = uint32(kvh) * uint32(kc.shape[2])
             for u in range(KB):
                 jj = min(j0 + u, end - 1)
                 for i in range(NCL):
                     c = min(i * WARP + lane, nch - 1)
-                    g(kc, jj, kvh, c, kb_, (u * NCL + i) * CWD)
-                    g(vc, jj, kvh, c, vb_, (u * NCL + i) * CWD)
+                    if LEAN:
+                        o = uint32(jj) * rw + hw
+                        g(kc, o, 0, c, kb_, (u * NCL + i) * CWD)
+                        g(vc, o, 0, c, vb_, (u * NCL + i) * CWD)
+                    else:
+                        g(kc, jj, kvh, c, kb_, (u * NCL + i) * CWD)
+                        g(vc, jj, kvh, c, vb_, (u * NCL + i) * CWD)
         return load
 
     load = make_load(get)

@@ -121,6 +121,13 @@ if SIM:
             head, k = idx[:-1], idx[-1]
             return tuple(a[head + (k + c,)] for c in range(width))
         return ld
+
+    def make_ldo(width: int, cop: str = "nc", ordered: bool = False):
+        @cuda.jit(device=True)
+        def ld(a, off):
+            f = a.reshape(-1)
+            return tuple(f[off + c] for c in range(width))
+        return ld
 else:
     from llvmlite import ir
     from numba import types
@@ -167,11 +174,51 @@ else:
             return sig, codegen
         return ld
 
+    def make_ldo(width: int, cop: str = "nc", ordered: bool = False):
+        """As make_ld, at a flat 32-bit offset: ld(a, off) -> a.flat[off:off + width] of a
+        C-contiguous float32 / uint32 array of any rank (the data pointer plus zext(off) * 4:
+        no 64-bit index arithmetic; the array must have fewer than 2**32 elements)."""
+        @intrinsic
+        def ld(typingctx, a, off):
+            if not (isinstance(a, types.Array) and a.layout == "C"
+                    and a.dtype in (types.float32, types.uint32)
+                    and isinstance(off, types.Integer)):
+                return None
+            sig = types.UniTuple(a.dtype, width)(a, off)
+
+            def codegen(context, builder, sig, args):
+                aty = sig.args[0]
+                arr = context.make_array(aty)(context, builder, value=args[0])
+                i64 = ir.IntType(64)
+                o = builder.zext(context.cast(builder, args[1], sig.args[1], types.uint32), i64)
+                addr = builder.add(builder.ptrtoint(arr.data, i64),
+                                   builder.mul(o, ir.Constant(i64, 4), flags=["nuw"]))
+                fl = aty.dtype == types.float32
+                elt = context.get_value_type(aty.dtype)
+                ret = ir.LiteralStructType([elt] * width) if width > 1 else elt
+                regs = ",".join(f"${x}" for x in range(width))
+                vec, dst = (f".v{width}", f"{{{regs}}}") if width > 1 else ("", "$0")
+                cons = ",".join(["=f" if fl else "=r"] * width) + ",l"
+                op = "ld.global" + (f".{cop}" if cop else "")
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ret, [i64]),
+                    f"{op}{vec}.{'f32' if fl else 'u32'} {dst}, [${width}];",
+                    cons + (",~{memory}" if ordered else ""), side_effect=ordered)
+                res = builder.call(asm, [addr])
+                vals = [builder.extract_value(res, x) for x in range(width)] if width > 1 \
+                    else [res]
+                return context.make_tuple(builder, sig.return_type, vals)
+            return sig, codegen
+        return ld
+
 ld4 = make_ld(4, "nc")          # 16 bytes of data the kernel only reads
 ld2 = make_ld(2, "nc")          # 8 bytes
 ld4cg = make_ld(4, "cg", True)  # 16 bytes other blocks of this launch wrote (after a fence),
 ld2cg = make_ld(2, "cg", True)  # or the launch before wrote (after pdl_wait): L2, kept after it
 ld1cg = make_ld(1, "cg", True)  # 4 bytes, the same
+# the same four at a flat 32-bit offset (make_ldo)
+ld4o, ld2o = make_ldo(4, "nc"), make_ldo(2, "nc")
+ld4ocg, ld2ocg = make_ldo(4, "cg", True), make_ldo(2, "cg", True)
 # ld4 kept where it is written: loads issued ahead of a barrier that must stay ahead of it
 # (LLVM sees a side-effect-free asm as touching no memory and may sink it past the barrier
 # to its use; ptxas keeps such loads before the bar.sync, sm_90 checked)
@@ -591,6 +638,7 @@ def poison(arr) -> None:
 __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "float_as_uint",
            "bf16_lo", "bf16_hi", "bf16_at", "to_bf16", "putter", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
            "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15",
-           "make_ld", "ld4", "ld2", "ld4cg", "ld2cg", "ld1cg", "ld4_pinned", "lds4", "st4",
+           "make_ld", "ld4", "ld2", "ld4cg", "ld2cg", "ld1cg", "make_ldo", "ld4o", "ld2o", "ld4ocg", "ld2ocg",
+           "ld4_pinned", "lds4", "st4",
            "cp_async4", "globaltimer",
            "cp_async_wait", "prefetch_l2", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]
