@@ -45,6 +45,7 @@ takes the path above):
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
@@ -414,7 +415,9 @@ C2_THREADS = 32 if SIM else 128   # combine2: a block per (query, head)
 C2_U = 4 if SIM else 16       # combine2: pieces a warp keeps in flight (64 pieces: one round)
 F_U = 4 if SIM else 16        # v2f merge: pieces a thread keeps in flight
 F_MAX = 4 if SIM else 36      # v2f lean merge: at most this many (merge_unroll())
-LEAN2 = True                  # partial2's lean merges (the _make_partial2 doc)
+# partial2's lean loads and merges (the _make_partial2 doc); MOE_STREAM_ATT_LEAN=0: without,
+# for an A/B of a whole decode
+LEAN2 = os.environ.get("MOE_STREAM_ATT_LEAN", "1") != "0"
 LOG2E = 1.4426950408889634
 _SMS = []                     # the device's SM count, read once
 
@@ -502,7 +505,8 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
     (timeline tools only): thread 0 of block b stores the low 32 bits of %globaltimer at its
     NSTAMP phases (entry, after the PDL wait, the first step, the loop, the partials stored, the
     ticket, then in the last block the merge factors and the end) as flat floats b * NSTAMP + k
-    of pacc[:, P - 1, :], a piece no decode with P2 < P uses. LEAN: the warps' merge and the
+    of pacc[:, P - 1, :], a piece no decode with P2 < P uses. LEAN: K / V rows read at 32-bit
+    offsets from the cache's start (no 64-bit index arithmetic); the warps' merge and the
     last block's merge with 16-byte shared / global stores and no integer division (each thread
     computes its head's warp factors itself: one barrier, not two), the last block's first FU
     pieces and pm / pl loaded together before its factors (one L2 round trip for all, not
