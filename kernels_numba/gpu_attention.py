@@ -52,7 +52,8 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from .gpu_util import (FULL_MASK, M32, NEG_INF, SIM, WARP, aligned, block_max, block_sum, cdiv,
                         globaltimer, int_as_float, ld1cg, ld2, ld2cg, ld2o, ld2ocg, ld4,
-                        ld4cg, ld4o, ld4ocg, lds4, pdl_kernel, pdl_trigger, pdl_wait, st4, warp_max, warp_sum, warp_sync)
+                        ld4cg, ld4o, ld4ocg, lds4, pdl_kernel, pdl_trigger, pdl_wait, st4,
+                        warp_max, warp_sum, warp_sync)
 
 ATT_WARPS = 2 if SIM else 4   # partial: warps a block
 KB = 2                        # partial: keys a warp scores at once (H200 sweep: 2 beats 4, 8)
