@@ -1834,13 +1834,14 @@ SWEEP = {   # what tools/sweep_experts.py times
               "qpair-g8j1-d4j2", "qpair-g4j1-d4j2", "qpair-g8j1-d8j1", "qbpair-g8j1-d4j2",
               "qbpair-g4j1-d4j2", "qtab-g8j1-d4j2", "qarith-g8j1-d4j2", "lut-g32-d16",
               "lut-g16-d16", "mma-g4-d4", "mma-g4-d4-a2-p3", "mma-g4-d4-p3-c", "mma-g2-d4-a1-p3-c",
-              "mma-g4-d4-p4-c-l", "mma-g4-d4-p5-c-l"],
+              "mma-g4-d4-p4-c-l", "mma-g4-d4-p5-c-l", "tma-g1-d2", "tma-g1-d2-w", "tma-g1-d3-w"],
     "fp8": ["legacy", "arith-g4j1-d4j4", "arith-g8j1-d8j2", "parith-g8j1-d4j2",
             "parith-g4j1-d4j1"],
     "bf16": ["legacy", "arith-g4j4-d4j4", "parith-g4j4-d4j4", "parith-g2j4-d4j2"],
 }
 _VARIANT_RE = re.compile(r"^(p|q)?(tab|arith|mix|pair|bpair)-g(\d+)j(\d+)-d(\d+)j(\d+)$")
 _LUT_RE = re.compile(r"^lut-g(\d+)-d(\d+)(?:-m(\d))?$")   # NVFP4: gpu_experts_lut, GW / DW warps a block
+_TMA_RE = re.compile(r"^tma-g(\d+)-d(\d+)(-w)?(?:-m(\d))?$")   # NVFP4: gpu_experts_tma, SG / SD steps a warp
 _MMA_RE = re.compile(r"^mma-g(\d+)-d(\d+)(?:-a(\d+))?(?:-p(\d))?(-c)?(?:-m(\d))?(-l)?$")   # NVFP4: gpu_experts_mma, SG / SD
 # steps a warp, LA steps loaded ahead (default all), P the weight loads' cache hints, -c the
 # scales on the D columns, -m1 / -m2 diagnostic modes (wrong results), -l the lean kernels
@@ -1856,6 +1857,10 @@ def parse_variant(fmt: str, variant: str):
     m = _LUT_RE.match(v)
     if m and fmt == "nvfp4":
         return ("lut", int(m.group(1)), int(m.group(3) or 0), int(m.group(2)), 0)
+    m = _TMA_RE.match(v)
+    if m and fmt == "nvfp4":
+        return ("tma", int(m.group(1)), (int(bool(m.group(3))), int(m.group(4) or 0)),
+                int(m.group(2)), 0)
     m = _MMA_RE.match(v)
     if m and fmt == "nvfp4":
         extra = (int(m.group(3) or 0), int(m.group(6) or 0), int(m.group(4) or 0),
@@ -1940,6 +1945,7 @@ def _threads_for(chunks: int, per_thread: int) -> int:
 
 
 MMA_FALLBACK = "qtab-g8j1-d4j2"   # where the mma kernels cannot run a layout (Hs, Is % 128)
+TMA_FALLBACK = "mma-g4-d4-p5-c-l"   # where the tma kernels cannot (before sm_90, H != Hs, ...)
 
 
 def live_variants(fmt: str) -> list[str]:
@@ -1948,7 +1954,9 @@ def live_variants(fmt: str) -> list[str]:
     The GPU tests check these; tools/sweep_experts.py checks each SWEEP variant it times against
     the legacy kernels."""
     out = [DEFAULT_VARIANT[fmt]]
-    if out[0].endswith("-l"):        # the kernels the lean ones stand in for
+    if out[0].startswith("tma-"):
+        out.append(TMA_FALLBACK)
+    if out[-1].endswith("-l"):        # the kernels the lean ones stand in for
         out.append(out[0][:-2])
     out += [MMA_FALLBACK] if fmt == "nvfp4" else []
     for v in list(out):
@@ -1956,6 +1964,17 @@ def live_variants(fmt: str) -> list[str]:
         if m and m.group(1):
             out.append(_one_pass_fallback(m.group(1) + m.group(2)) + v[v.index("-"):])
     return out + ["legacy"]
+
+
+def _tma(fmt, cfg, views, lay_host, k):
+    """(the tma kernels' module or None, cfg): None and TMA_FALLBACK's cfg when cfg is a tma
+    variant this device or these shapes do not allow."""
+    if cfg is None or cfg[0] != "tma":
+        return None, cfg
+    from . import gpu_experts_tma
+    if gpu_experts_tma.supported(lay_host, k, cfg, views[1].shape[1]):
+        return gpu_experts_tma, cfg
+    return None, parse_variant(fmt, TMA_FALLBACK)
 
 
 def _mma_or_fallback(fmt, cfg, views, lay_host, k):
@@ -1977,6 +1996,10 @@ def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="",
     if cfg is not None and cfg[0] == "lut":
         from . import gpu_experts_lut
         gpu_experts_lut.gate_up(cfg, views, lay, lay_host, slots, x, act, stream)
+        return
+    tma, cfg = _tma(fmt, cfg, views, lay_host, slots.shape[0])
+    if tma is not None:
+        tma.gate_up(cfg, views, lay, lay_host, slots, x, act, stream)
         return
     cfg = _mma_or_fallback(fmt, cfg, views, lay_host, slots.shape[0])
     if cfg is not None and cfg[0] == "mma":
@@ -2015,6 +2038,10 @@ def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, acc
         from . import gpu_experts_lut
         gpu_experts_lut.down(cfg, views, lay, lay_host, slots, weights, act, out, stream,
                              accumulate)
+        return
+    tma, cfg = _tma(fmt, cfg, views, lay_host, slots.shape[0])
+    if tma is not None:
+        tma.down(cfg, views, lay, lay_host, slots, weights, act, out, stream, accumulate)
         return
     cfg = _mma_or_fallback(fmt, cfg, views, lay_host, slots.shape[0])
     if cfg is not None and cfg[0] == "mma":

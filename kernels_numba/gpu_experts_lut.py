@@ -295,8 +295,8 @@ def _opt_in(kern, args, smem: int):
         fn = ov._codelibrary.get_cufunc()
         static = fn.attrs.shared
         if smem + static > MAX_TABLE:
-            raise ValueError(f"lut expert kernel needs {smem + static} bytes of shared memory, "
-                             f"more than the {MAX_TABLE} a block can have; use a q variant")
+            raise ValueError(f"expert kernel {sk.py_func.__name__} needs {smem + static} bytes "
+                             f"of shared memory, more than the {MAX_TABLE} a block can have")
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, smem, fn.handle, fn.device.id)
         _OPTED.add(key)

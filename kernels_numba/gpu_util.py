@@ -225,7 +225,7 @@ ld4ocg, ld2ocg = make_ldo(4, "cg", True), make_ldo(2, "cg", True)
 ld4_pinned = make_ld(4, "nc", volatile=True)
 
 
-# lds4(a, i) -> a[i:i + 4] as one 16-byte load, a float32 1-D array whose a[i] is 16-byte
+# lds4(a, i) -> a[i:i + 4] as one 16-byte load, a float32 / uint32 1-D array whose a[i] is 16-byte
 # aligned (shared memory declared with alignment=16): ld.shared.v4 where indexing element by
 # element costs four loads and four negative-index checks.
 if SIM:
@@ -239,19 +239,20 @@ else:
                                        [context.cast(builder, i_val, i_ty, types.intp)])
         return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), 4).as_pointer())
 
-    def _f32_vector(a, i):
-        return (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32
+    def _f32_vector(a, i, dtypes=(types.float32,)):
+        return (isinstance(a, types.Array) and a.ndim == 1 and a.dtype in dtypes
                 and isinstance(i, types.Integer))
 
     @intrinsic
     def lds4(typingctx, a, i):
-        if not _f32_vector(a, i):
+        if not _f32_vector(a, i, (types.float32, types.uint32)):
             return None
-        sig = types.UniTuple(types.float32, 4)(a, i)
+        sig = types.UniTuple(a.dtype, 4)(a, i)
 
         def codegen(context, builder, sig, args):
-            v = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1],
-                                      sig.args[1]), align=16)
+            ptr = _vec_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            elt = context.get_value_type(sig.args[0].dtype)
+            v = builder.load(builder.bitcast(ptr, ir.VectorType(elt, 4).as_pointer()), align=16)
             return context.make_tuple(builder, sig.return_type,
                                       [builder.extract_element(v, ir.Constant(ir.IntType(32), k))
                                        for k in range(4)])
@@ -464,6 +465,146 @@ else:
         cuda.threadfence_system()
 
 
+# ---- bulk copies into shared memory (sm_90: cp.async.bulk completing on an mbarrier) --------
+# The copy engine moves a contiguous run of global bytes into shared memory; no thread holds a
+# register while it is in flight, so one block can have its whole share of a layer's weights on
+# the way at once. bar: a uint64 1-D shared array (8-byte aligned), one barrier an entry.
+#   mbar_init(bar, i, 1); mbar_fence_init()         one thread, before any copy or wait
+#   mbar_expect(bar, i, nbytes)                     one thread: the arrival, and the bytes due
+#   bulk_copy(dst, di, src, row, off, nbytes, bar, i)
+#       dst[di:di + nbytes / 4] = src[row, off:off + nbytes / 4]: dst a uint32 1-D shared
+#       array, src a 2-D uint32 global array; both ends 16-byte aligned, nbytes a multiple of 16
+#   bulk_done()                                     every thread: the simulator's copies ran
+#                                                   synchronously and a barrier publishes them
+#   mbar_wait(bar, i, parity)                       a thread waits for phase `parity`
+# The simulator keeps each barrier's bytes due in it and refuses a wait on a barrier whose
+# copies do not add up to what was expected (on the GPU that wait would never end).
+if SIM:
+    @cuda.jit(device=True)
+    def mbar_init(bar, i, count):
+        bar[i] = 0
+
+    @cuda.jit(device=True)
+    def mbar_fence_init():
+        pass
+
+    @cuda.jit(device=True)
+    def mbar_expect(bar, i, nbytes):
+        cuda.atomic.add(bar, i, nbytes)
+
+    @cuda.jit(device=True)
+    def bulk_copy(dst, di, src, row, off, nbytes, bar, i):
+        for c in range(int(nbytes) // 4):
+            dst[int(di) + c] = src[int(row), int(off) + c]
+        cuda.atomic.sub(bar, i, nbytes)
+
+    @cuda.jit(device=True)
+    def bulk_done():
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def mbar_wait(bar, i, parity):
+        if bar[i] != 0:
+            raise RuntimeError("mbarrier: the copies do not bring the bytes expected")
+else:
+    def _elem_ptr(context, builder, aty, arr_val, idx):
+        """i64 address of aty-typed arr_val[idx...] (idx: (value, type) pairs)."""
+        arr = context.make_array(aty)(context, builder, value=arr_val)
+        ptr = cgutils.get_item_pointer(context, builder, aty, arr,
+                                       [context.cast(builder, v, t, types.intp) for v, t in idx])
+        return builder.ptrtoint(ptr, ir.IntType(64))
+
+    def _u32(context, builder, v, t):
+        return context.cast(builder, v, t, types.uint32)
+
+    def _is_bar(bar, i):
+        return (isinstance(bar, types.Array) and bar.ndim == 1 and bar.dtype == types.uint64
+                and isinstance(i, types.Integer))
+
+    def _bar_op(text: str):
+        """An intrinsic f(bar, i, n) of one mbarrier instruction on &bar[i] (the shared-window
+        address in register s of text; n in $1)."""
+        def typer(typingctx, bar, i, n):
+            if not (_is_bar(bar, i) and isinstance(n, types.Integer)):
+                return None
+            sig = types.none(bar, i, n)
+
+            def codegen(context, builder, sig, args):
+                addr = _elem_ptr(context, builder, sig.args[0], args[0], [(args[1], sig.args[1])])
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)]),
+                                   "{ .reg .u64 s; .reg .b64 st; cvta.to.shared.u64 s, $0; "
+                                   + text + " }", "l,r,~{memory}", side_effect=True)
+                builder.call(asm, [addr, _u32(context, builder, args[2], sig.args[2])])
+                return context.get_dummy_value()
+            return sig, codegen
+        return intrinsic(typer)
+
+    mbar_init = _bar_op("mbarrier.init.shared::cta.b64 [s], $1;")
+    mbar_expect = _bar_op("mbarrier.arrive.expect_tx.shared::cta.b64 st, [s], $1;")
+    # the barriers' initialisation made visible to the copy engine (the async proxy)
+    mbar_fence_init = _asm_op("fence.mbarrier_init.release.cluster; fence.proxy.async.shared::cta;",
+                              lambda: True)
+
+    @intrinsic
+    def bulk_copy(typingctx, dst, di, src, row, off, nbytes, bar, i):
+        if not (isinstance(dst, types.Array) and dst.ndim == 1 and dst.dtype == types.uint32
+                and isinstance(src, types.Array) and src.ndim == 2
+                and src.dtype == types.uint32 and _is_bar(bar, i)):
+            return None
+        sig = types.none(dst, di, src, row, off, nbytes, bar, i)
+
+        def codegen(context, builder, sig, args):
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            a = sig.args
+            d = _elem_ptr(context, builder, a[0], args[0], [(args[1], a[1])])
+            zero = (context.get_constant(types.intp, 0), types.intp)
+            g = _elem_ptr(context, builder, a[2], args[2], [(args[3], a[3]), zero])
+            o = builder.zext(_u32(context, builder, args[4], a[4]), i64)
+            g = builder.add(g, builder.mul(o, ir.Constant(i64, 4), flags=["nuw"]))
+            m = _elem_ptr(context, builder, a[6], args[6], [(args[7], a[7])])
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [i64, i64, i32, i64]),
+                "{ .reg .u64 d, m; cvta.to.shared.u64 d, $0; cvta.to.shared.u64 m, $3; "
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [d], [$1], $2, "
+                "[m]; }", "l,l,r,l,~{memory}", side_effect=True)
+            builder.call(asm, [d, g, _u32(context, builder, args[5], a[5]), m])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def _mbar_try(typingctx, bar, i, parity):
+        if not _is_bar(bar, i):
+            return None
+        sig = types.uint32(bar, i, parity)
+
+        def codegen(context, builder, sig, args):
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            addr = _elem_ptr(context, builder, sig.args[0], args[0], [(args[1], sig.args[1])])
+            asm = ir.InlineAsm(
+                ir.FunctionType(i32, [i64, i32]),
+                "{ .reg .u64 s; .reg .pred p; cvta.to.shared.u64 s, $1; "
+                "mbarrier.try_wait.parity.shared::cta.b64 p, [s], $2; selp.u32 $0, 1, 0, p; }",
+                "=r,l,r,~{memory}", side_effect=True)
+            return builder.call(asm, [addr, _u32(context, builder, args[2], sig.args[2])])
+        return sig, codegen
+
+    _trap = _asm_op("trap;", lambda: True)
+
+    @cuda.jit(device=True, inline=True)
+    def mbar_wait(bar, i, parity):
+        """Spins on try_wait (each try suspends the thread a while); a wait of seconds means
+        copies that will never land: a kernel error, not a hang."""
+        n = uint32(0)
+        while _mbar_try(bar, i, parity) == uint32(0):
+            n += uint32(1)
+            if n > uint32(1 << 26):
+                _trap()
+
+    @cuda.jit(device=True, inline=True)
+    def bulk_done():
+        pass
+
+
 def aligned(nbytes: int, *arrays) -> bool:
     """Every row of the device arrays starts on nbytes and is contiguous (the vector loads of
     make_ld: 16 bytes for ld4, 8 for ld2). Always true under the simulator."""
@@ -641,4 +782,5 @@ __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "f
            "make_ld", "ld4", "ld2", "ld4cg", "ld2cg", "ld1cg", "make_ldo", "ld4o", "ld2o", "ld4ocg", "ld2ocg",
            "ld4_pinned", "lds4", "st4",
            "cp_async4", "globaltimer",
-           "cp_async_wait", "prefetch_l2", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]
+           "cp_async_wait", "prefetch_l2", "mbar_init", "mbar_fence_init", "mbar_expect", "bulk_copy",
+           "bulk_done", "mbar_wait", "aligned", "pdl_wait", "pdl_trigger", "pdl_kernel", "PDL_KERNELS"]

@@ -543,6 +543,12 @@ def run_sim_checks() -> None:
     check_experts("nvfp4", 128, 128, 3, 4, rng, variant="mma-g1-d1-p4-c-l")
     check_experts("nvfp4", 256, 256, 2, 3, rng, variant="mma-g2-d2-p5-c-l", accumulate=False)
     print(f"ok experts nvfp4 mma {time.time() - t0:.0f}s", flush=True)
+    # the copy-engine kernels (copies run synchronously here): 3 experts' 48 tiles over the
+    # simulator's 2 blocks, one step a warp; then two steps a warp, down's crossing an expert
+    check_experts("nvfp4", 128, 128, 3, 4, rng, variant="tma-g1-d1")
+    check_experts("nvfp4", 256, 256, 2, 3, rng, variant="tma-g2-d2", accumulate=False)
+    check_experts("nvfp4", 256, 256, 2, 3, rng, variant="tma-g2-d2-w", accumulate=False)
+    print(f"ok experts nvfp4 tma {time.time() - t0:.0f}s", flush=True)
     for fmt in ("nvfp4", "bf16"):
         check_experts_grouped(fmt, 32, 16, 2, 3, 4, rng, variant="legacy")
         print(f"ok grouped legacy {fmt} {time.time() - t0:.0f}s", flush=True)
@@ -649,6 +655,23 @@ def test_experts_lean_gpu(h, i, k, hint):
     cfg, lh = ge.parse_variant("nvfp4", v), bank[1].as_array()
     assert gm.lean_steps(cfg, lh, k, "gate_up") == 4
     assert gm.lean_steps(cfg, lh, k, "down") == (5 if h == 2560 else 4)
+    check_experts("nvfp4", h, i, k, k + 4, rng, bank=bank, variant=v)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("h,i,k", SHAPES)
+@pytest.mark.parametrize("v", ["tma-g1-d2", "tma-g1-d3-w"])
+def test_experts_tma_gpu(h, i, k, v):
+    """The copy-engine NVFP4 kernels ("tma") against the oracle at the real shapes: a copy a row
+    (padded pitch) and a copy a tile (-w), down at 2 / 3 steps a warp (the nearest count that
+    divides K * Is / 128 where that does not)."""
+    from kernels_numba import gpu_experts as ge
+    from kernels_numba import gpu_experts_tma as gt
+    rng = np.random.default_rng(9)
+    bank = make_bank("nvfp4", h, i, k + 4, rng)
+    got = gt.steps(bank[1].as_array(), k, ge.parse_variant("nvfp4", v))
+    assert got is not None and got[0] == 1, got     # the tma kernels run, not their fallback
     check_experts("nvfp4", h, i, k, k + 4, rng, bank=bank, variant=v)
 
 
