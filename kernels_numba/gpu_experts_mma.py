@@ -672,6 +672,64 @@ def _make(S: int, LA: int, MODE: int = 0, P: int = 0, COLS: int = 0):
     return pdl_kernel(gate_up), pdl_kernel(down)
 
 
+def _units(S: int, NSI: int = 1):
+    """(x_units, act_units, expert_step): device functions of the lean kernels (and the tma
+    kernels of gpu_experts_tma) for S steps a warp and NSI = Is / 128 steps an expert.
+        x_units(x, v, lane, wp): v[8 i:8 i + 8] = the lane's units of x, 16 bytes a load
+        act_units(act, weights, bankf, slots, v, lane, ke0, sl0): the lane's units of down's
+            input, act times the expert's routing weight and global scale
+        expert_step(ke0, sl0, s): (expert, its step) of the warp's step sl0 + s of expert ke0
+    v is zero where the lane has no unit (S odd)."""
+    UPT = cdiv(S, 2)
+    U = np.uint32
+    _NSI = U(NSI)
+
+    @cuda.jit(device=True, inline=True)
+    def expert_step(ke0, sl0, s):
+        """s < S <= NSI: one wrap at most."""
+        sl = U(sl0 + s)
+        w = sl >= _NSI
+        return U(ke0 + U(1)) if w else ke0, U(sl - _NSI) if w else sl
+
+    @cuda.jit(device=True, inline=True)
+    def x_units(x, v, lane, wp):
+        for i in range(UPT):
+            u = lane + int32(32 * i)
+            if u < int32(16 * S):
+                e0 = (wp * int32(S) + (u >> 4)) * int32(STEP) + (u & 3) * int32(32) + \
+                    ((u >> 2) & 3) * int32(8)
+                v[8 * i], v[8 * i + 1], v[8 * i + 2], v[8 * i + 3] = _ldx4(x, e0)
+                v[8 * i + 4], v[8 * i + 5], v[8 * i + 6], v[8 * i + 7] = _ldx4(x, e0 + int32(4))
+            else:
+                for j in range(8):
+                    v[8 * i + j] = float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def act_units(act, weights, bankf, slots, v, lane, ke0, sl0):
+        lane = U(lane)
+        for i in range(UPT):
+            u = U(lane + U(32 * i))
+            if u < U(16 * S):
+                ke, sl = expert_step(ke0, sl0, u >> _S4)
+                f = weights[ke] * bankf[slots[ke], 2]
+                i0 = U(sl * U(STEP) + (u & U(3)) * U(32) + ((u >> _S2) & U(3)) * U(8))
+                a0, a1, a2, a3 = _ldx4(act, ke, i0)
+                a4, a5, a6, a7 = _ldx4(act, ke, U(i0 + U(4)))
+                v[8 * i] = a0 * f
+                v[8 * i + 1] = a1 * f
+                v[8 * i + 2] = a2 * f
+                v[8 * i + 3] = a3 * f
+                v[8 * i + 4] = a4 * f
+                v[8 * i + 5] = a5 * f
+                v[8 * i + 6] = a6 * f
+                v[8 * i + 7] = a7 * f
+            else:
+                for j in range(8):
+                    v[8 * i + j] = float32(0.0)
+
+    return x_units, act_units, expert_step
+
+
 def _make_lean(S: int, P: int, NSI: int):
     """(gate_up, down) as _make(S, S, 0, P, 1) computes them ("-l"), for layouts where no
     step is clamped (H and I multiples of 128, Hs / 128 and K * NSI multiples of S, S <= NSI =
@@ -688,6 +746,7 @@ def _make_lean(S: int, P: int, NSI: int):
     NS2 = 2 * S
     ld4w = _LD4X[P]
     _, fill, steps = _fns(S, S, 0, P, 1, 1)
+    x_units, act_units, expert_step = _units(S, NSI)
 
     @cuda.jit
     def gate_up(bank32, bank16, bankf, slots, x, act, gq, gsc, uq, usc, I, Hs):
@@ -724,16 +783,7 @@ def _make_lean(S: int, P: int, NSI: int):
             sv[2 * s] = _ldu16x(bank16, slot, gs, 4 * s)
             sv[2 * s + 1] = _ldu16x(bank16, slot, us, 4 * s)
         v = cuda.local.array(NV, float32)
-        for i in range(UPT):
-            u = lane + int32(32 * i)
-            if u < int32(16 * S):
-                e0 = (wp * int32(S) + (u >> 4)) * int32(STEP) + (u & 3) * int32(32) + \
-                    ((u >> 2) & 3) * int32(8)
-                v[8 * i], v[8 * i + 1], v[8 * i + 2], v[8 * i + 3] = _ldx4(x, e0)
-                v[8 * i + 4], v[8 * i + 5], v[8 * i + 6], v[8 * i + 7] = _ldx4(x, e0 + int32(4))
-            else:
-                for j in range(8):
-                    v[8 * i + j] = float32(0.0)
+        x_units(x, v, lane, wp)
         # ptxas sinks loads to their first use (a step's weights after the step before: four
         # dependent trips to HBM); coherent loads (-p4 / -p5) stay above a barrier
         cuda.syncthreads()
@@ -745,13 +795,6 @@ def _make_lean(S: int, P: int, NSI: int):
     U = np.uint32
     _NSI = U(NSI)
     _US = U(S)
-
-    @cuda.jit(device=True, inline=True)
-    def expert_step(ke0, sl0, s):
-        """(expert, its step) of the warp's step sl0 + s of expert ke0 (s < S <= NSI: one wrap)."""
-        sl = U(sl0 + s)
-        w = sl >= _NSI
-        return U(ke0 + U(1)) if w else ke0, U(sl - _NSI) if w else sl
 
     @cuda.jit
     def down(bank32, bank16, bankf, slots, weights, act, out, accumulate, dq, dsc, H):
@@ -792,25 +835,7 @@ def _make_lean(S: int, P: int, NSI: int):
         pdl_wait()
         pdl_trigger()
         v = cuda.local.array(NV, float32)
-        for i in range(UPT):
-            u = U(lane + U(32 * i))
-            if u < U(16 * S):
-                ke, sl = expert_step(ke0, sl0, u >> _S4)
-                f = weights[ke] * bankf[slots[ke], 2]
-                i0 = U(sl * U(STEP) + (u & U(3)) * U(32) + ((u >> _S2) & U(3)) * U(8))
-                a0, a1, a2, a3 = _ldx4(act, ke, i0)
-                a4, a5, a6, a7 = _ldx4(act, ke, U(i0 + U(4)))
-                v[8 * i] = a0 * f
-                v[8 * i + 1] = a1 * f
-                v[8 * i + 2] = a2 * f
-                v[8 * i + 3] = a3 * f
-                v[8 * i + 4] = a4 * f
-                v[8 * i + 5] = a5 * f
-                v[8 * i + 6] = a6 * f
-                v[8 * i + 7] = a7 * f
-            else:
-                for j in range(8):
-                    v[8 * i + j] = float32(0.0)
+        act_units(act, weights, bankf, slots, v, lane, ke0, sl0)
         cuda.syncthreads()             # as in gate_up
         inv = fill(bsh, v, red)
         d0, d1 = steps(mx, bsh, red, wv, sv, bank32, bank16, slots, int32(0), int32(wp),

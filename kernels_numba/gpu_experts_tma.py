@@ -45,7 +45,7 @@ from .gpu_util import (SIM, WARP, bulk_copy, bulk_done, cdiv, lds4, mbar_expect,
 STEP = gm.STEP                    # 128 columns a step: 64 bytes of a row
 FRAG = 512                        # bytes of B fragments a step
 MAX_WARPS = 32
-SMEM_MAX = 227 * 1024             # dynamic + static shared bytes a block may opt in to (sm_90)
+SMEM_MAX = 227 * 1024             # shared bytes a block may opt in to on sm_90 (the simulator's)
 U = np.uint32
 _S1, _S2, _S3, _S4, _S7 = U(1), U(2), U(3), U(4), U(7)
 _M3, _M31, _M16 = U(3), U(31), U(0xFFFF)
@@ -115,6 +115,41 @@ def _scale_pair(bsh, byte):
     return (bsh[byte >> _S2] >> ((byte & _S2) << _S3)) & _M16
 
 
+@cuda.jit(device=True, inline=True)
+def _init_bars(bar, b0, n, txb):
+    """Thread 0: barriers b0 .. b0 + n - 1 ready, each expecting txb bytes (the block barrier
+    that publishes them is the caller's)."""
+    if cuda.threadIdx.x == 0:
+        for j in range(n):
+            mbar_init(bar, b0 + U(j), 1)
+        mbar_fence_init()
+        for j in range(n):
+            mbar_expect(bar, b0 + U(j), txb)
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_step(mx, bsh, tt, ps, sbb, g, t, fb, sl, valid, c0, c2, mode):
+    """Step sl of the piece (16 rows) at shared byte tt (rows at pitch ps, then 16 scale rows of
+    sbb bytes) against the B fragments at bsh[fb:], into c0 / c2 (mode 2: a word read, no math)."""
+    col = sl * U(64) + t * U(16)
+    if mode == 2:
+        return c0 + float32(bsh[(tt + g * ps + col) >> _S2] & U(255)), c2
+    sc = tt + U(16) * ps + g * sbb + sl * U(8) + t * U(2)
+    return _step(mx, bsh, fb, (tt + g * ps + col) >> _S2, (tt + (g + U(8)) * ps + col) >> _S2,
+                 _scale_pair(bsh, sc), _scale_pair(bsh, sc + U(8) * sbb), valid, c0, c2)
+
+
+@cuda.jit(device=True, inline=True)
+def _store_sums(bshf, pi, g, t, c0, c2, inv, red):
+    """The quads' sums of rows g and g + 8, times inv, at bshf[pi + g], bshf[pi + 8 + g]
+    (every thread of the block calling: the simulator's quad sums are block-wide)."""
+    c0 = _quad_sum(c0, red)
+    c2 = _quad_sum(c2, red)
+    if t == U(0):
+        bshf[pi + g] = c0 * inv
+        bshf[pi + U(8) + g] = c2 * inv
+
+
 def _make(SG: int, SD: int, NSI: int, WIDE: int, MODE: int = 0):
     """(gate_up, down) for SG / SD steps a warp; down compiled for NSI = Is / 128. WIDE: the
     rows of a tile (an expert in down) in one copy, unpadded (2-way bank conflicts), not one
@@ -124,10 +159,11 @@ def _make(SG: int, SD: int, NSI: int, WIDE: int, MODE: int = 0):
     RPC = 8 if WIDE else 1
     NQD = 1 if WIDE else 16               # q copies of an expert in down, RPCD rows each
     RPCD = 16 if WIDE else 1
-    UG, UD = cdiv(SG, 2), cdiv(SD, 2)
-    NVG, NVD = 8 * UG, 8 * UD            # the lane's input values (local arrays)
+    NVG, NVD = 8 * cdiv(SG, 2), 8 * cdiv(SD, 2)   # the lane's input values (local arrays)
     _, fill_g, _ = gm._fns(SG, SG, 0, 5, 1, 1)
     _, fill_d, _ = gm._fns(SD, SD, 0, 5, 1, 1)
+    x_units = gm._units(SG)[0]
+    _, act_units, expert_step = gm._units(SD, NSI)
     # the simulator's scratch of the warp reductions and the mma emulation; the GPU paths
     # ignore theirs, which alias the dynamic memory (no static shared memory ahead of it, so
     # its start is aligned for the copies)
@@ -165,12 +201,7 @@ def _make(SG: int, SD: int, NSI: int, WIDE: int, MODE: int = 0):
         toff = poff + U(NTM) * nw * U(64)
         pdl_wait()                              # the slots are the router's, just before
         pdl_trigger()
-        if tid == 0:
-            for j in range(nt):
-                mbar_init(bar, (boff >> _S3) + U(j), 1)
-            mbar_fence_init()
-            for j in range(nt):
-                mbar_expect(bar, (boff >> _S3) + U(j), txb)
+        _init_bars(bar, boff >> _S3, nt, txb)
         cuda.syncthreads()                      # the barriers ready before any copy or wait
         if wp == U(0):
             for c in range(lane, U(nt) * U(NQ + 2), U(32)):
@@ -195,16 +226,7 @@ def _make(SG: int, SD: int, NSI: int, WIDE: int, MODE: int = 0):
         bulk_done()
         # the lane's units of x (16 bytes a load), while the copies are on their way
         v = cuda.local.array(NVG, float32)
-        for i in range(UG):
-            u = lane + U(32 * i)
-            if u < U(16 * SG):
-                e0 = (wp * U(SG) + (u >> _S4)) * U(STEP) + (u & _M3) * U(32) + \
-                    ((u >> _S2) & _M3) * U(8)
-                v[8 * i], v[8 * i + 1], v[8 * i + 2], v[8 * i + 3] = gm._ldx4(x, e0)
-                v[8 * i + 4], v[8 * i + 5], v[8 * i + 6], v[8 * i + 7] = gm._ldx4(x, e0 + U(4))
-            else:
-                for q in range(8):
-                    v[8 * i + q] = float32(0.0)
+        x_units(x, v, int32(lane), int32(wp))
         inv = fill_g(bsh, v, red) * _TWO14
         sel = ((((lane >> _S2) & _S1) << _S2) | t) << _S2
         valid = t == (lane >> _S3)
@@ -215,20 +237,9 @@ def _make(SG: int, SD: int, NSI: int, WIDE: int, MODE: int = 0):
             c2 = float32(0.0)
             for s in range(SG):
                 st = wp * U(SG) + U(s)
-                col = st * U(64) + t * U(16)
-                sc = tt + U(16) * ps + g * sbb + st * U(8) + t * U(2)
-                if MODE == 2:
-                    c0 += float32(bsh[(tt + g * ps + col) >> _S2] & U(255))
-                    continue
-                c0, c2 = _step(mx, bsh, st * U(128) + sel, (tt + g * ps + col) >> _S2,
-                               (tt + (g + U(8)) * ps + col) >> _S2, _scale_pair(bsh, sc),
-                               _scale_pair(bsh, sc + U(8) * sbb), valid, c0, c2)
-            c0 = _quad_sum(c0, red)
-            c2 = _quad_sum(c2, red)
-            if t == U(0):
-                pi = (poff >> _S2) + (U(j) * nw + wp) * U(16)
-                bshf[pi + g] = c0 * inv
-                bshf[pi + U(8) + g] = c2 * inv
+                c0, c2 = _piece_step(mx, bsh, tt, ps, sbb, g, t, st * U(128) + sel, st, valid,
+                                     c0, c2, MODE)
+            _store_sums(bshf, (poff >> _S2) + (U(j) * nw + wp) * U(16), g, t, c0, c2, inv, red)
         cuda.syncthreads()
         for c in range(tid, nt * 8, int32(cuda.blockDim.x)):
             j = U(c) >> _S3
@@ -246,13 +257,6 @@ def _make(SG: int, SD: int, NSI: int, WIDE: int, MODE: int = 0):
             act[k, r] = silu(sg * bankf[slot, 0]) * (su * bankf[slot, 1])
 
     _NSI = U(NSI)
-
-    @cuda.jit(device=True, inline=True)
-    def expert_step(ke0, sl0, s):
-        """(expert, its step) of the warp's step sl0 + s of expert ke0 (s < SD <= NSI)."""
-        sl = U(sl0 + s)
-        w = sl >= _NSI
-        return U(ke0 + U(1)) if w else ke0, U(sl - _NSI) if w else sl
 
     @cuda.jit
     def down(bank32, bankf, slots, weights, act, out, accumulate, dq, dsc, H):
@@ -281,12 +285,7 @@ def _make(SG: int, SD: int, NSI: int, WIDE: int, MODE: int = 0):
         r0 = U(cuda.blockIdx.x) << _S4
         # the slots are the router's (two launches back) and the weights nobody's: the copies
         # go out before the wait for gate_up's act
-        if tid == 0:
-            for ke in range(K):
-                mbar_init(bar, (boff >> _S3) + U(ke), 1)
-            mbar_fence_init()
-            for ke in range(K):
-                mbar_expect(bar, (boff >> _S3) + U(ke), txb)
+        _init_bars(bar, boff >> _S3, K, txb)
         cuda.syncthreads()
         if wp == U(0):
             for c in range(lane, K * U(NQD + 1), U(32)):
@@ -310,25 +309,7 @@ def _make(SG: int, SD: int, NSI: int, WIDE: int, MODE: int = 0):
         ke0 = U(st0 // _NSI)
         sl0 = U(st0 - ke0 * _NSI)
         v = cuda.local.array(NVD, float32)
-        for i in range(UD):
-            u = U(lane + U(32 * i))
-            if u < U(16 * SD):
-                ke, sl = expert_step(ke0, sl0, u >> _S4)
-                f = weights[ke] * bankf[slots[ke], 2]
-                i0 = U(sl * U(STEP) + (u & _M3) * U(32) + ((u >> _S2) & _M3) * U(8))
-                a0, a1, a2, a3 = gm._ldx4(act, ke, i0)
-                a4, a5, a6, a7 = gm._ldx4(act, ke, U(i0 + U(4)))
-                v[8 * i] = a0 * f
-                v[8 * i + 1] = a1 * f
-                v[8 * i + 2] = a2 * f
-                v[8 * i + 3] = a3 * f
-                v[8 * i + 4] = a4 * f
-                v[8 * i + 5] = a5 * f
-                v[8 * i + 6] = a6 * f
-                v[8 * i + 7] = a7 * f
-            else:
-                for q in range(8):
-                    v[8 * i + q] = float32(0.0)
+        act_units(act, weights, bankf, slots, v, lane, ke0, sl0)
         inv = fill_d(bsh, v, red) * _TWO14
         sel = ((((lane >> _S2) & _S1) << _S2) | t) << _S2
         valid = t == (lane >> _S3)
@@ -337,21 +318,9 @@ def _make(SG: int, SD: int, NSI: int, WIDE: int, MODE: int = 0):
         for s in range(SD):
             ke, sl = expert_step(ke0, sl0, U(s))
             mbar_wait(bar, (boff >> _S3) + ke, 0)
-            tt = eoff + ke * eb
-            col = sl * U(64) + t * U(16)
-            sc = tt + U(16) * ps + g * sbb + sl * U(8) + t * U(2)
-            if MODE == 2:
-                c0 += float32(bsh[(tt + g * ps + col) >> _S2] & U(255))
-                continue
-            c0, c2 = _step(mx, bsh, (st0 + U(s)) * U(128) + sel, (tt + g * ps + col) >> _S2,
-                           (tt + (g + U(8)) * ps + col) >> _S2, _scale_pair(bsh, sc),
-                           _scale_pair(bsh, sc + U(8) * sbb), valid, c0, c2)
-        c0 = _quad_sum(c0, red)
-        c2 = _quad_sum(c2, red)
-        if t == U(0):
-            pi = (poff >> _S2) + wp * U(16)
-            bshf[pi + g] = c0 * inv
-            bshf[pi + U(8) + g] = c2 * inv
+            c0, c2 = _piece_step(mx, bsh, eoff + ke * eb, ps, sbb, g, t,
+                                 (st0 + U(s)) * U(128) + sel, sl, valid, c0, c2, MODE)
+        _store_sums(bshf, (poff >> _S2) + wp * U(16), g, t, c0, c2, inv, red)
         cuda.syncthreads()
         if tid < 16:
             o = float32(0.0)
@@ -371,6 +340,14 @@ def kernels(sg: int, sd: int, nsi: int, wide: int = 0, mode: int = 0):
     if key not in _KERNELS:
         _KERNELS[key] = _make(*key)
     return _KERNELS[key]
+
+
+def _smem_max() -> int:
+    """Dynamic shared bytes a block of these kernels may have on this device (the opt-in
+    limit: 227 KB on sm_90, 99 KB on consumer Blackwell), less a KB of slack."""
+    if SIM:
+        return SMEM_MAX - 1024
+    return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) - 1024
 
 
 def _sm90() -> bool:
@@ -401,8 +378,8 @@ def steps(lay_host, k: int, cfg):
     sg = pick(cfg[1], nsg, nsg)
     sd = pick(cfg[3], k * nsi, nsi)
     wide = cfg[2][0]
-    if not sg or not sd or down_smem(is_, k, sd, wide) > SMEM_MAX - 1024 or \
-            gate_up_smem(hs, sg, 1, wide) > SMEM_MAX - 1024:
+    if not sg or not sd or down_smem(is_, k, sd, wide) > _smem_max() or \
+            gate_up_smem(hs, sg, 1, wide) > _smem_max():
         return None
     return sg, sd
 
@@ -421,7 +398,7 @@ def gate_up_grid(lay_host, k: int, sg: int, wide: int = 0) -> tuple[int, int]:
     hs, i = int(lay_host[8]), int(lay_host[7])
     tiles = k * (i // 8)
     nb = min(_sms(), tiles)
-    while gate_up_smem(hs, sg, cdiv(tiles, nb), wide) > SMEM_MAX - 1024:
+    while gate_up_smem(hs, sg, cdiv(tiles, nb), wide) > _smem_max():
         nb += _sms()
     nb = min(nb, tiles)
     return nb, cdiv(tiles, nb)
