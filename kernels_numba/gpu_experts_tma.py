@@ -6,8 +6,10 @@ device copy's bandwidth (docs/PERF.md: 15.8 us for the 21 MB of a Qwen3-30B-A3B 
 a load-only kernel needs ~2048 threads an SM to reach two thirds. Here the copy engine moves the
 bytes (cp.async.bulk into shared memory, completing on an mbarrier): no register is held while
 they are in flight, so each block asks for its whole share of the layer at its start, and the
-warps multiply each piece as it lands, with the same tensor-core step as the lean mma kernels
-("-c": scales on D's columns in f32; the same sums in the same order, so the same results).
+warps multiply each piece as it lands, with the tensor-core step of the lean mma kernels ("-c":
+scales on D's columns in f32). The steps are summed across warps in another grouping than
+theirs, so results match them to rounding (2.5-3.2e-7 relative at the real shapes), not bit for
+bit.
 
     gate_up: persistent blocks (one an SM where shared memory allows); block b takes the tiles
              [b T / nb, (b + 1) T / nb) of the T = K * I / 8 tiles (8 gate rows and the same 8 up
@@ -17,8 +19,9 @@ warps multiply each piece as it lands, with the same tensor-core step as the lea
     down:    block = 16 output rows of all K experts (one mbarrier an expert); the copies go out
              before the PDL wait (the weights and the slots are not the launch before's), so
              they land while gate_up still runs where both fit on an SM. -> out [H] (+=)
-Rows sit in shared memory at a pitch of 64 mod 128 bytes: the two rows a quarter-warp reads
-(lanes g = 0, 1) fall on different banks. Every copy is issued by warp 0's lanes.
+Without -w, each row is a copy of its own and rows sit in shared memory at a pitch of 64 mod 128
+bytes: the two rows a quarter-warp reads (lanes g = 0, 1) fall on different banks. Every copy is
+issued by warp 0's lanes.
 Shared memory of a block (bytes): [B fragments: steps * 512][mbarriers][partial sums][tiles].
 Variant "tma-g<SG>-d<SD>[-w][-m2]" (gpu_experts.parse_variant): steps a warp of gate_up / down;
 -w the rows of a tile in one copy, unpadded; -m2 the copies alone (a diagnostic, wrong results).
