@@ -55,7 +55,9 @@ def test_round_bf16_matches_oracle():
 def test_cpu_bf16_cache_is_the_f32_cache_rounded(tmp_path):
     import engine
     from kernels_numba import reference as ref
-    build_hf_model(tmp_path, "qwen3_moe")
+    # every expert chosen: the logits are then a continuous function of the cache; with top-2 of
+    # 4 the rounding now and then flips a routing choice (~1 run in 100) and the logits jump
+    build_hf_model(tmp_path, "qwen3_moe", num_experts_per_tok=4)
     ids = np.random.default_rng().integers(0, 300, 10)
     runs = {}
     for kind in ("f32", "bf16"):
