@@ -45,15 +45,14 @@ takes the path above):
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from .gpu_util import (FULL_MASK, M32, NEG_INF, SIM, WARP, aligned, block_max, block_sum, cdiv,
-                        globaltimer, int_as_float, ld1cg, ld2, ld2cg, ld2o, ld2ocg, ld4,
-                        ld4cg, ld4o, ld4ocg, lds4, pdl_kernel, pdl_trigger, pdl_wait, st4,
-                        warp_max, warp_sum, warp_sync)
+                        globaltimer, int_as_float, ld1cg, ld2o, ld2ocg, ld4cg, ld4o, ld4ocg,
+                        lds4, pdl_kernel, pdl_trigger, pdl_wait, st4, warp_max, warp_sum,
+                        warp_sync)
 
 ATT_WARPS = 2 if SIM else 4   # partial: warps a block
 KB = 2                        # partial: keys a warp scores at once (H200 sweep: 2 beats 4, 8)
@@ -415,10 +414,7 @@ V2F_WAVES = 1                 # v2f: fewer pieces, so the last block has less to
 C2_THREADS = 32 if SIM else 128   # combine2: a block per (query, head)
 C2_U = 4 if SIM else 16       # combine2: pieces a warp keeps in flight (64 pieces: one round)
 F_U = 4 if SIM else 16        # v2f merge: pieces a thread keeps in flight
-F_MAX = 4 if SIM else 36      # v2f lean merge: at most this many (merge_unroll())
-# partial2's lean loads and merges (the _make_partial2 doc); MOE_STREAM_ATT_LEAN=0: without,
-# for an A/B of a whole decode
-LEAN2 = os.environ.get("MOE_STREAM_ATT_LEAN", "1") != "0"
+F_MAX = 4 if SIM else 36      # v2f merge: at most this many (merge_unroll())
 LOG2E = 1.4426950408889634
 _SMS = []                     # the device's SM count, read once
 
@@ -463,11 +459,6 @@ def _make_get(l4, l2):
     return get_f32, get_bf16
 
 
-_get_f32, _get_bf16 = _make_get(ld4, ld2)
-# through L2 and kept after pdl_wait: rows the launch before may have written
-_get_f32_c, _get_bf16_c = _make_get(ld4cg, ld2cg)
-
-
 def _flat(ld):
     """ld(a, off) at a flat 32-bit offset as _make_get's load: (a, row offset, unused, k)."""
     @cuda.jit(device=True, inline=True)
@@ -476,7 +467,8 @@ def _flat(ld):
     return at
 
 
-# the same with j = the row's flat 32-bit offset into the cache (h unused): the lean loads
+# with j = the row's flat 32-bit offset into the cache (h unused); _c: through L2 and kept
+# after pdl_wait, for rows the launch before may have written
 _geto_f32, _geto_bf16 = _make_get(_flat(ld4o), _flat(ld2o))
 _geto_f32_c, _geto_bf16_c = _make_get(_flat(ld4ocg), _flat(ld2ocg))
 
@@ -500,13 +492,13 @@ def _dec_bf16(buf, o, v, vo):
 NSTAMP = 8                    # partial2 TRACE: timestamps a block
 
 
-def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
+def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, FU=F_U):
     """BF: bf16 cache (else fp32); G heads a kv head; NCL chunks of 4 values a lane cover D; KB
     keys a warp step (GP * KB <= 32); NW warps; FUSED: v2f (merge in the last block). TRACE
     (timeline tools only): thread 0 of block b stores the low 32 bits of %globaltimer at its
     NSTAMP phases (entry, after the PDL wait, the first step, the loop, the partials stored, the
     ticket, then in the last block the merge factors and the end) as flat floats b * NSTAMP + k
-    of pacc[:, P - 1, :], a piece no decode with P2 < P uses. LEAN: K / V rows read at 32-bit
+    of pacc[:, P - 1, :], a piece no decode with P2 < P uses. K / V rows are read at 32-bit
     offsets from the cache's start (no 64-bit index arithmetic); the warps' merge and the
     last block's merge with 16-byte shared / global stores and no integer division (each thread
     computes its head's warp factors itself: one barrier, not two), the last block's first FU
@@ -530,15 +522,10 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
     FU4 = FU * 4
     CH = NCL * WARP                    # 4-value chunks a head, padded
     PU = cdiv(MAX_SPLITS, WARP)        # pieces a lane reads for the merge factors
-    WSH = (1, 1, 4) if LEAN else (NW, G, DP)
-    W1 = NW * G * DP if LEAN else 4
+    W1 = NW * G * DP
     NG = N + GP                        # (array sizes must be plain constants for numba)
-    if LEAN:
-        get = _geto_bf16 if BF else _geto_f32
-        get_c = _geto_bf16_c if BF else _geto_f32_c
-    else:
-        get = _get_bf16 if BF else _get_f32
-        get_c = _get_bf16_c if BF else _get_f32_c
+    get = _geto_bf16 if BF else _geto_f32
+    get_c = _geto_bf16_c if BF else _geto_f32_c
     dec = _dec_bf16 if BF else _dec_f32
 
     @cuda.jit(device=True, inline=True)
@@ -552,20 +539,16 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
         @cuda.jit(device=True, inline=True)
         def load(kc, vc, kvh, j0, end, lane, nch, kb_, vb_):
             """K and V rows of keys j0 .. j0 + KB - 1 (clamped to end - 1) -> registers
-            (LEAN: at 32-bit offsets from the cache's start)."""
+            (at 32-bit offsets from the cache's start)."""
             rw = uint32(kc.shape[1]) * uint32(kc.shape[2])
             hw = uint32(kvh) * uint32(kc.shape[2])
             for u in range(KB):
                 jj = min(j0 + u, end - 1)
                 for i in range(NCL):
                     c = min(i * WARP + lane, nch - 1)
-                    if LEAN:
-                        o = uint32(jj) * rw + hw
-                        g(kc, o, 0, c, kb_, (u * NCL + i) * CWD)
-                        g(vc, o, 0, c, vb_, (u * NCL + i) * CWD)
-                    else:
-                        g(kc, jj, kvh, c, kb_, (u * NCL + i) * CWD)
-                        g(vc, jj, kvh, c, vb_, (u * NCL + i) * CWD)
+                    o = uint32(jj) * rw + hw
+                    g(kc, o, 0, c, kb_, (u * NCL + i) * CWD)
+                    g(vc, o, 0, c, vb_, (u * NCL + i) * CWD)
         return load
 
     load = make_load(get)
@@ -629,7 +612,7 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
 
     @cuda.jit(device=True, inline=True)
     def merge_warps(acc, wm, wl, wacc1, pm, pl, pacc, h0, p, nch, tid, lane, warp):
-        """The NW warps' (m, l, acc) of the block -> pm, pl, pacc of piece p (LEAN)."""
+        """The NW warps' (m, l, acc) of the block -> pm, pl, pacc of piece p."""
         for g2 in range(G):
             for i in range(NCL):
                 o = g2 * C4 + i * 4
@@ -665,7 +648,7 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
     @cuda.jit(device=True, inline=True)
     def merge_pieces(q_pos, window, split, P, pm, pl, pacc, out, h0, fac, linv, tk, red, nch,
                      tid, lane, warp, blk):
-        """The ticket; the last block of the kv head merges its pieces -> out (LEAN)."""
+        """The ticket; the last block of the kv head merges its pieces -> out."""
         # as cooperative groups' grid sync: the barrier orders the block's writes before
         # thread 0's fence (fences are cumulative), so one thread fences, not all
         cuda.syncthreads()
@@ -761,8 +744,6 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
         sp = cuda.shared.array((NW, 2, NG), float32)
         wm = cuda.shared.array((NW, G), float32)
         wl = cuda.shared.array((NW, G), float32)
-        wf = cuda.shared.array((NW, G), float32)
-        wacc = cuda.shared.array(WSH, float32)
         if SIM:
             wacc1 = cuda.shared.array(W1, float32)
         else:
@@ -842,108 +823,12 @@ def _make_partial2(BF, G, NCL, KB, NW, FUSED, TRACE=False, LEAN=True, FU=F_U):
         if (lane & ((KB << SH) - 1)) == 0 and g < G:
             wm[warp, g] = m
             wl[warp, g] = l
-        if LEAN:
-            merge_warps(acc, wm, wl, wacc1, pm, pl, pacc, h0, p, nch, tid, lane, warp)
-            if TRACE and tid == 0:
-                stamp(pacc, kvh * P + p, 4)
-            if FUSED:
-                merge_pieces(q_pos, window, split, P, pm, pl, pacc, out, h0, fac, linv, tk,
-                             red, nch, tid, lane, warp, kvh * P + p)
-            return
-        for g2 in range(G):
-            for i in range(NCL):
-                for e in range(4):
-                    wacc[warp, g2, (i * WARP + lane) * 4 + e] = acc[g2 * C4 + i * 4 + e]
-        cuda.syncthreads()
-        for x in range(tid, NW * G, NT):                  # merge factors of the warps
-            w = x // G
-            g2 = x - w * G
-            mt = wm[0, g2]
-            for o in range(1, NW):
-                mt = max(mt, wm[o, g2])
-            wf[w, g2] = math.exp2(wm[w, g2] - mt) if wm[w, g2] > NEG_INF else float32(0.0)
-        cuda.syncthreads()
-        for x in range(tid, G * D, NT):
-            g2 = x // D
-            d = x - g2 * D
-            a = float32(0.0)
-            for w in range(NW):
-                a += wacc[w, g2, d] * wf[w, g2]
-            hr = h0 + g2
-            pacc[hr, p, d] = a
-            if d == 0:
-                mt = wm[0, g2]
-                lt = float32(0.0)
-                for w in range(NW):
-                    mt = max(mt, wm[w, g2])
-                    lt += wl[w, g2] * wf[w, g2]
-                pm[hr, p] = mt
-                pl[hr, p] = lt
+        merge_warps(acc, wm, wl, wacc1, pm, pl, pacc, h0, p, nch, tid, lane, warp)
+        if TRACE and tid == 0:
+            stamp(pacc, kvh * P + p, 4)
         if FUSED:
-            # as cooperative groups' grid sync: the barrier orders the block's writes before
-            # thread 0's fence (fences are cumulative), so one thread fences, not all
-            cuda.syncthreads()
-            if TRACE and tid == 0:
-                stamp(pacc, kvh * P + p, 4)
-            if tid == 0:
-                cuda.threadfence()
-                tk[0] = cuda.atomic.add(pm, (h0, pm.shape[1] - 1), float32(1.0))
-                cuda.threadfence()
-                if TRACE:
-                    stamp(pacc, kvh * P + p, 5)
-            cuda.syncthreads()
-            nu = (n + piece - 1) // piece
-            if tk[0] != float32(nu - 1):                  # not the last block (uniform)
-                return
-            if tid == 0:
-                pm[h0, pm.shape[1] - 1] = float32(0.0)
-            for g0 in range(0, G, NW):                    # warp: head g0 + warp, lanes: pieces
-                g2 = g0 + warp
-                gg = min(g2, G - 1)
-                mloc = NEG_INF
-                for pp in range(lane, nu, WARP):
-                    mloc = max(mloc, pm[h0 + gg, pp])
-                mt = warp_max(mloc, red)
-                lloc = float32(0.0)
-                for pp in range(lane, nu, WARP):
-                    f = math.exp2(pm[h0 + gg, pp] - mt)
-                    if g2 < G:
-                        fac[g2, pp] = f
-                    lloc += f * pl[h0 + gg, pp]
-                lt = warp_sum(lloc, red)
-                if lane == 0 and g2 < G:
-                    linv[g2] = float32(1.0) / lt
-            cuda.syncthreads()
-            if TRACE and tid == 0:
-                stamp(pacc, kvh * P + p, 6)
-            wb = cuda.local.array(FU4, float32)
-            for x in range(tid, G * nch, NT):             # (head, chunk): FU pieces in flight
-                g2 = x // nch
-                c = x - g2 * nch
-                a0 = float32(0.0)
-                a1 = float32(0.0)
-                a2 = float32(0.0)
-                a3 = float32(0.0)
-                for p0 in range(0, nu, FU):
-                    for u in range(FU):
-                        x0, x1, x2, x3 = ld4cg(pacc, h0 + g2, min(p0 + u, nu - 1), 4 * c)
-                        wb[4 * u] = x0
-                        wb[4 * u + 1] = x1
-                        wb[4 * u + 2] = x2
-                        wb[4 * u + 3] = x3
-                    for u in range(FU):
-                        f = fac[g2, min(p0 + u, nu - 1)] if p0 + u < nu else float32(0.0)
-                        a0 += f * wb[4 * u]
-                        a1 += f * wb[4 * u + 1]
-                        a2 += f * wb[4 * u + 2]
-                        a3 += f * wb[4 * u + 3]
-                li = linv[g2]
-                out[0, h0 + g2, 4 * c] = a0 * li
-                out[0, h0 + g2, 4 * c + 1] = a1 * li
-                out[0, h0 + g2, 4 * c + 2] = a2 * li
-                out[0, h0 + g2, 4 * c + 3] = a3 * li
-            if TRACE and tid == 0:
-                stamp(pacc, kvh * P + p, 7)
+            merge_pieces(q_pos, window, split, P, pm, pl, pacc, out, h0, fac, linv, tk,
+                         red, nch, tid, lane, warp, kvh * P + p)
     return partial2
 
 
@@ -1057,27 +942,27 @@ def v2_pieces(s_max: int, hkv: int, p_alloc: int, fused: bool, split: int = SPLI
 
 
 def merge_unroll(p2: int) -> int:
-    """Pieces a thread of the v2f last block keeps in flight (LEAN) for P2 pieces: all of them
+    """Pieces a thread of the v2f last block keeps in flight for P2 pieces: all of them
     in one round up to F_MAX, else the fewest equal rounds."""
     return cdiv(p2, cdiv(p2, F_MAX))
 
 
 def partial2_kernel(kind: str, g: int, d: int, kb: int, warps: int, fused: bool,
-                    trace: bool = False, lean: bool = LEAN2, p2: int = 1):
+                    trace: bool = False, p2: int = 1):
     """(kernel, warps, kb) of the v2 partial for a cache kind ("f32" / "bf16"), group size g
     (<= 32) and head dim d (a multiple of 4); kb is lowered to a power of 2 with GP * kb <= 32.
-    trace, lean: the TRACE / LEAN builds (_make_partial2); p2: the pieces it runs with (the
-    lean v2f merge's unroll)."""
+    trace: the TRACE build (_make_partial2); p2: the pieces it runs with (the v2f merge's
+    unroll)."""
     gp = 1 << (g - 1).bit_length()
     kb = max(1, min(1 << (max(1, kb).bit_length() - 1), WARP // gp))
     ncl = cdiv(d // 4, WARP)
     dp = ncl * WARP * 4
     nw = max(1, min(warps, SMEM_FLOATS // (g * dp)))
-    fu = merge_unroll(p2) if fused and lean else F_U
-    key = (kind, g, ncl, kb, nw, bool(fused), bool(trace), bool(lean), fu)
+    fu = merge_unroll(p2) if fused else F_U
+    key = (kind, g, ncl, kb, nw, bool(fused), bool(trace), fu)
     if key not in _PARTIAL2:
         _PARTIAL2[key] = pdl_kernel(_make_partial2(kind == "bf16", g, ncl, kb, nw, bool(fused),
-                                                   bool(trace), bool(lean), fu))
+                                                   bool(trace), fu))
     return _PARTIAL2[key], nw, kb
 
 
@@ -1089,7 +974,7 @@ def _combine2_kernel(d: int):
 
 
 def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb, warps,
-               fused, splits, lean):
+               fused, splits):
     """The v2 / v2f decode (see the module doc); False where it does not apply (the caller
     takes the base path)."""
     t, hq, d = q.shape
@@ -1104,7 +989,7 @@ def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb
     ncl = cdiv(d // 4, WARP)
     kb = (V2_KB if ncl == 1 else 2) if kb is None else kb
     warps = (V2F_WARPS if fused else V2_WARPS) if warps is None else warps
-    kern, nw, _ = partial2_kernel(kind, g, d, kb, warps, fused, lean=lean, p2=p2)
+    kern, nw, _ = partial2_kernel(kind, g, d, kb, warps, fused, p2=p2)
     if kind == "bf16":
         kv = (kc.view(np.uint32), vc.view(np.uint32))
     else:
@@ -1134,7 +1019,7 @@ def alloc_partials(t: int, hq: int, d: int, s_max: int, split: int = SPLIT):
 
 
 def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SPLIT, kb=None,
-              warps=None, fused=None, variant=None, splits=None, lean=None):
+              warps=None, fused=None, variant=None, splits=None):
     """q float32 [T, Hq, D], caches [S_max, Hkv, D] -> out float32 [T, Hq, D].
 
     split: fewest keys a block takes; kb, warps: partial-kernel variants (default KB /
@@ -1143,7 +1028,7 @@ def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SP
     separate combine kernel. variant: the decode (T = 1) path, one of VARIANTS (default
     DECODE_VARIANT; v2 / v2f need D % 4 == 0, G <= 32 and rows of q, the caches and the
     partials aligned to their 4-value chunks, else base runs); splits: v2 / v2f pieces a kv
-    head (default decode_splits()); lean: v2 / v2f's lean merges (default LEAN2).
+    head (default decode_splits()).
     Returns the path that ran: "base", "v2" or "v2f"."""
     variant = DECODE_VARIANT if variant is None else variant
     if variant not in VARIANTS:
@@ -1163,8 +1048,7 @@ def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SP
         raise ValueError(f"partials {pm.shape} do not fit {t} queries x {hq} heads "
                          f"(at most {MAX_SPLITS} splits; allocate with alloc_partials())")
     if variant != "base" and _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window,
-                                        split, kb, warps, variant == "v2f", splits,
-                                        LEAN2 if lean is None else lean):
+                                        split, kb, warps, variant == "v2f", splits):
         return variant
     kb = KB if kb is None else kb
     warps = ATT_WARPS if warps is None else warps

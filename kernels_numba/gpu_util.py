@@ -212,11 +212,9 @@ else:
         return ld
 
 ld4 = make_ld(4, "nc")          # 16 bytes of data the kernel only reads
-ld2 = make_ld(2, "nc")          # 8 bytes
 ld4cg = make_ld(4, "cg", True)  # 16 bytes other blocks of this launch wrote (after a fence),
-ld2cg = make_ld(2, "cg", True)  # or the launch before wrote (after pdl_wait): L2, kept after it
-ld1cg = make_ld(1, "cg", True)  # 4 bytes, the same
-# the same four at a flat 32-bit offset (make_ldo)
+ld1cg = make_ld(1, "cg", True)  # or the launch before wrote (after pdl_wait): L2, kept after it
+# at a flat 32-bit offset (make_ldo), 16 and 8 bytes
 ld4o, ld2o = make_ldo(4, "nc"), make_ldo(2, "nc")
 ld4ocg, ld2ocg = make_ldo(4, "cg", True), make_ldo(2, "cg", True)
 # ld4 kept where it is written: loads issued ahead of a barrier that must stay ahead of it
@@ -607,7 +605,7 @@ else:
 
 def aligned(nbytes: int, *arrays) -> bool:
     """Every row of the device arrays starts on nbytes and is contiguous (the vector loads of
-    make_ld: 16 bytes for ld4, 8 for ld2). Always true under the simulator."""
+    make_ld: 16 bytes for ld4, 8 for ld2o). Always true under the simulator."""
     if SIM:
         return True
     return all(a.__cuda_array_interface__["data"][0] % nbytes == 0
@@ -779,7 +777,7 @@ def poison(arr) -> None:
 __all__ = ["SIM", "WARP", "E4M3_TABLE", "E2M1_TABLE", "cdiv", "int_as_float", "float_as_uint",
            "bf16_lo", "bf16_hi", "bf16_at", "to_bf16", "putter", "warp_sum", "warp_max", "warp_argmax", "warp_sync",
            "block_sum", "block_max", "block_argmax", "silu", "poison", "uint64", "M32", "U32_15",
-           "make_ld", "ld4", "ld2", "ld4cg", "ld2cg", "ld1cg", "make_ldo", "ld4o", "ld2o", "ld4ocg", "ld2ocg",
+           "make_ld", "ld4", "ld4cg", "ld1cg", "make_ldo", "ld4o", "ld2o", "ld4ocg", "ld2ocg",
            "ld4_pinned", "lds4", "st4",
            "cp_async4", "globaltimer",
            "cp_async_wait", "prefetch_l2", "mbar_init", "mbar_fence_init", "mbar_expect", "bulk_copy",

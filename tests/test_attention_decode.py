@@ -205,38 +205,6 @@ def test_decode_gpu_knobs(variant):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", NEW)
-def test_decode_lean_equal_gpu(variant):
-    """The lean merges (default) give the same floats as the previous ones: the same sums in
-    the same order. Qwen3-30B-A3B (33 pieces: one round in flight) and Qwen3-Next (16 / 2 x
-    256: 66 pieces, two rounds, two (head, chunk) items a thread), with 17 and 128 pieces."""
-    from kernels_numba import gpu_attention as ga
-    rng = np.random.default_rng(11)
-    stream = cuda.stream()
-    for kind, hq, hkv, d, var in (("f32", 32, 4, 128, {}), ("bf16", 32, 4, 128, {}),
-                                  ("f32", 32, 4, 128, dict(splits=17)),
-                                  ("f32", 32, 4, 128, dict(splits=128)),
-                                  ("bf16", 16, 2, 256, {})):
-        _, _, dk, dv = _cache(rng, kind, 4096, hkv, d)
-        parts = ga.alloc_partials(1, hq, d, 4096)
-        for pos in (0, 300, 2047, 4095):
-            q = cuda.to_device(rng.standard_normal((1, hq, d)).astype(np.float32))
-            qp = cuda.to_device(np.array([pos], np.int32))
-            outs = []
-            for lean in (False, True):
-                out = cuda.to_device(np.full((1, hq, d), np.nan, np.float32))
-                _poison_partials(parts)
-                ga.attention(q, dk, dv, qp, d ** -0.5, out, parts, stream, variant=variant,
-                             lean=lean, **var)
-                stream.synchronize()
-                outs.append(out.copy_to_host())
-            assert np.all(np.isfinite(outs[1])), f"{kind} {hq}/{hkv}x{d} pos={pos} {var}: NaN"
-            assert np.array_equal(outs[0], outs[1]), \
-                f"{variant} {kind} {hq}/{hkv}x{d} pos={pos} {var}: lean differs"
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("variant", NEW)
 def test_decode_graph_replay_gpu(variant):
     """One graph captured at one position serves every position (q_pos in device memory), and
     the fused merge's ticket is left at 0 by each replay."""

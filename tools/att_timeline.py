@@ -7,7 +7,7 @@ in the last block of a kv head after the merge factors and at its end. Run as gr
 COPIES launches back to back (each over its own cache copy, so the K / V rows come from HBM, as
 in a model), the trace read from the last launch; and one launch alone.
 
-    python3 tools/att_timeline.py [--s-max 4096] [--pos 2047 255 32767] [--bf16] [--old] [--out t.json]
+    python3 tools/att_timeline.py [--s-max 4096] [--pos 2047 255 32767] [--bf16] [--out t.json]
 
 Prints, per phase, the min / median / max over blocks in us from the first block's entry, and
 the us a launch the graph replay takes without the trace (what the sweep measures).
@@ -37,7 +37,6 @@ def main() -> int:
     ap.add_argument("--hkv", type=int, default=4)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--bf16", action="store_true", help="a bf16 cache (default fp32)")
-    ap.add_argument("--old", action="store_true", help="the kernel without its lean merges")
     ap.add_argument("--out", help="JSON of the stamps")
     a = ap.parse_args()
     from numba import cuda, float32, int32
@@ -49,7 +48,6 @@ def main() -> int:
     st = cuda.stream()
     g = a.hq // a.hkv
     kind = "bf16" if a.bf16 else "f32"
-    dt = np.uint16 if a.bf16 else np.float32
     copies = max(1, min(16, math.ceil((512 << 20) / (a.s_max * a.hkv * a.d * 8))))
 
     def cache():
@@ -77,7 +75,7 @@ def main() -> int:
         rows = {}
         for trace in (False, True):
             kern, nw, _ = ga.partial2_kernel(kind, g, a.d, kb, ga.V2F_WARPS, True, trace,
-                                             not a.old, p2)
+                                             p2=p2)
 
             def run(s, kern=kern, nw=nw):
                 for c in range(copies):
