@@ -915,6 +915,43 @@ def _make_combine2(NCL):
     return combine2
 
 
+SINK_RED = WARP if SIM else 1
+
+
+@pdl_kernel
+@cuda.jit
+def sinks_kernel(q_pos, window, split, P, unit, pm, pl, sinks, out):
+    """Attention sinks (gpt-oss: a logit a head that joins the softmax's denominator, with no
+    value row) on the merged out [T, Hq, D]: out *= L / (L + e^(sink - M)) with M, L the
+    softmax's max and sum over the used pieces of pm, pl [T * Hq, >= P] (P the pieces the
+    launch ran with); unit = log2 e where the pieces hold scores in log2 units (v2 / v2f),
+    1 where natural. Grid T * Hq, one warp."""
+    pdl_wait()
+    pdl_trigger()
+    red = cuda.shared.array(SINK_RED, float32)
+    lane = cuda.threadIdx.x
+    row = cuda.blockIdx.x
+    hq = out.shape[1]
+    t = row // hq
+    h = row - t * hq
+    _, n, piece = _piece(q_pos, t, window, split, P)
+    nu = (n + piece - 1) // piece
+    m = NEG_INF
+    for p in range(lane, nu, WARP):
+        m = max(m, pm[row, p])
+    m = warp_max(m, red)
+    s = sinks[h] * unit
+    m2 = max(m, s)
+    inv = float32(1.0) / unit           # back to natural units for exp
+    lsum = float32(0.0)
+    for p in range(lane, nu, WARP):
+        lsum += pl[row, p] * math.exp((pm[row, p] - m2) * inv)
+    lsum = warp_sum(lsum, red)
+    f = lsum / (lsum + math.exp((s - m2) * inv))
+    for d in range(lane, out.shape[2], WARP):
+        out[t, h, d] *= f
+
+
 _PARTIAL2 = {}
 _COMBINE2 = {}
 
@@ -975,8 +1012,8 @@ def _combine2_kernel(d: int):
 
 def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb, warps,
                fused, splits):
-    """The v2 / v2f decode (see the module doc); False where it does not apply (the caller
-    takes the base path)."""
+    """The v2 / v2f decode (see the module doc): the pieces it ran with, 0 where it does not
+    apply (the caller takes the base path)."""
     t, hq, d = q.shape
     hkv = kc.shape[1]
     g = hq // hkv
@@ -984,7 +1021,7 @@ def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb
     kind = "bf16" if kc.dtype == np.uint16 else "f32"
     if (t != 1 or d % 4 or g > WARP or not aligned(16, q, pacc)
             or not aligned(8 if kind == "bf16" else 16, kc, vc)):
-        return False
+        return 0
     p2 = v2_pieces(kc.shape[0], hkv, pm.shape[1] - 1, fused, split, splits)
     ncl = cdiv(d // 4, WARP)
     kb = (V2_KB if ncl == 1 else 2) if kb is None else kb
@@ -999,7 +1036,7 @@ def _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window, split, kb
     if not fused:
         _combine2_kernel(d)[hq, C2_THREADS, stream](q_pos, int32(window), int32(split),
                                                     int32(p2), pm, pl, pacc, out)
-    return True
+    return p2
 
 
 def num_splits(s_max: int, split: int = SPLIT, t: int = 1) -> int:
@@ -1019,7 +1056,7 @@ def alloc_partials(t: int, hq: int, d: int, s_max: int, split: int = SPLIT):
 
 
 def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SPLIT, kb=None,
-              warps=None, fused=None, variant=None, splits=None):
+              warps=None, fused=None, variant=None, splits=None, sinks=None):
     """q float32 [T, Hq, D], caches [S_max, Hkv, D] -> out float32 [T, Hq, D].
 
     split: fewest keys a block takes; kb, warps: partial-kernel variants (default KB /
@@ -1028,7 +1065,8 @@ def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SP
     separate combine kernel. variant: the decode (T = 1) path, one of VARIANTS (default
     DECODE_VARIANT; v2 / v2f need D % 4 == 0, G <= 32 and rows of q, the caches and the
     partials aligned to their 4-value chunks, else base runs); splits: v2 / v2f pieces a kv
-    head (default decode_splits()).
+    head (default decode_splits()); sinks: float32 [Hq] in device memory, a logit a head that
+    joins the softmax's denominator (gpt-oss), applied by sinks_kernel after the merge.
     Returns the path that ran: "base", "v2" or "v2f"."""
     variant = DECODE_VARIANT if variant is None else variant
     if variant not in VARIANTS:
@@ -1047,8 +1085,13 @@ def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SP
     if p > MAX_SPLITS or pm.shape[0] < t * hq or pl.shape[1] != p:
         raise ValueError(f"partials {pm.shape} do not fit {t} queries x {hq} heads "
                          f"(at most {MAX_SPLITS} splits; allocate with alloc_partials())")
-    if variant != "base" and _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream, window,
-                                        split, kb, warps, variant == "v2f", splits):
+    p2 = 0 if variant == "base" else _decode_v2(q, kc, vc, q_pos, scale, out, partials, stream,
+                                                window, split, kb, warps, variant == "v2f",
+                                                splits)
+    if p2:
+        if sinks is not None:
+            sinks_kernel[t * hq, WARP, stream](q_pos, int32(window), int32(split), int32(p2),
+                                               float32(LOG2E), pm, pl, sinks, out)
         return variant
     kb = KB if kb is None else kb
     warps = ATT_WARPS if warps is None else warps
@@ -1061,4 +1104,7 @@ def attention(q, kc, vc, q_pos, scale, out, partials, stream, window=0, split=SP
     if not fused:
         comb = _COMBINE[MAX_D // WARP // 2 if d <= MAX_D // 2 else MAX_D // WARP]
         comb[t * hq, COMB_THREADS, stream](q_pos, int32(window), int32(split), pm, pl, pacc, out)
+    if sinks is not None:
+        sinks_kernel[t * hq, WARP, stream](q_pos, int32(window), int32(split), int32(p),
+                                           float32(1.0), pm, pl, sinks, out)
     return "base"

@@ -336,12 +336,18 @@ def check_qk_norm_rope(rng, t, hq, hkv, d, r, w_offset=0.0, scaling=1.0, store=F
 
 
 def check_attention(rng, s_max, hq, hkv, d, split, t_prefill, window, variant=None,
-                    kinds=("f32", "bf16")):
-    """variant: attention() keyword overrides (kb, warps) for the partial kernel."""
+                    kinds=("f32", "bf16"), sinks=False):
+    """variant: attention() keyword overrides (kb, warps) for the partial kernel; sinks: with
+    gpt-oss's attention sinks (a logit a head, some above every score, some far below)."""
     from kernels_numba import gpu_attention as ga
     stream = cuda.stream()
     errs = []
-    var = variant or {}
+    var = dict(variant or {})
+    sk = None
+    if sinks:
+        sk = (rng.standard_normal(hq) * 3.0).astype(np.float32)
+        sk[0], sk[-1] = 40.0, -40.0
+        var["sinks"] = cuda.to_device(sk)
     for kind in kinds:
         k = rng.standard_normal((s_max, hkv, d)).astype(np.float32)
         v = rng.standard_normal((s_max, hkv, d)).astype(np.float32)
@@ -360,7 +366,7 @@ def check_attention(rng, s_max, hq, hkv, d, split, t_prefill, window, variant=No
             ga.attention(cuda.to_device(q), dk, dv, cuda.to_device(qp), scale, out, parts, stream,
                          window=win, split=split, **var)
             stream.synchronize()
-            errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win),
+            errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win, sk),
                                what=f"decode attention {kind} pos={pos} window={win} {var}"))
         q = rng.standard_normal((t_prefill, hq, d)).astype(np.float32)
         qp = np.arange(t_prefill, dtype=np.int32)
@@ -370,7 +376,7 @@ def check_attention(rng, s_max, hq, hkv, d, split, t_prefill, window, variant=No
             ga.attention(cuda.to_device(q), dk, dv, cuda.to_device(qp), scale, out, parts, stream,
                          window=win, split=split, **var)
             stream.synchronize()
-            errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win),
+            errs.append(_close(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win, sk),
                                what=f"prefill attention {kind} window={win} {var}"))
     return max(errs)
 
@@ -595,6 +601,11 @@ def run_sim_checks() -> None:
                     variant=dict(fused=False), kinds=("bf16",))   # separate combine kernel
     check_attention(rng, s_max=9, hq=2, hkv=2, d=72, split=4, t_prefill=2, window=3,
                     kinds=("f32",))                   # head dim over 2 chunks a lane
+    # gpt-oss's sinks: v2f decode (log2 units), base decode and the prefill (natural units)
+    check_attention(rng, s_max=20, hq=4, hkv=2, d=8, split=4, t_prefill=5, window=3,
+                    sinks=True)
+    check_attention(rng, s_max=20, hq=4, hkv=2, d=8, split=4, t_prefill=5, window=3,
+                    variant=dict(variant="base"), kinds=("f32",), sinks=True)
     print(f"ok attention {time.time() - t0:.0f}s", flush=True)
     check_router_topk(rng, t=2, e=10, k=3)            # one logit a lane, most lanes none
     check_router_topk(rng, t=1, e=40, k=8)            # lanes of one and two logits
