@@ -66,10 +66,12 @@ def _check(got, exp, what):
     return err
 
 
-def check_decode(rng, kind, s_max, hq, hkv, d, split, cases, t_alloc=1, ran=None, **var):
+def check_decode(rng, kind, s_max, hq, hkv, d, split, cases, t_alloc=1, ran=None, sinks=None,
+                 **var):
     """Decode at each (pos, window) of cases through attention(**var) against the oracle; the
     partials come from alloc_partials(t_alloc, ...) (the engine slices its rows for T = 1);
-    ran: the path attention() must report (default: the variant asked for)."""
+    ran: the path attention() must report (default: the variant asked for); sinks: float32
+    [Hq] attention sinks (gpt-oss), or None."""
     from kernels_numba import gpu_attention as ga
     stream = cuda.stream()
     k, v, dk, dv = _cache(rng, kind, s_max, hkv, d)
@@ -83,11 +85,13 @@ def check_decode(rng, kind, s_max, hq, hkv, d, split, cases, t_alloc=1, ran=None
         out = cuda.to_device(np.full((1, hq, d), np.nan, np.float32))
         _poison_partials(full)
         path = ga.attention(cuda.to_device(q), dk, dv, cuda.to_device(qp), scale, out, parts,
-                            stream, window=win, split=split, **var)
+                            stream, window=win, split=split,
+                            sinks=None if sinks is None else cuda.to_device(sinks), **var)
         stream.synchronize()
         what = f"decode {kind} S={s_max} {hq}/{hkv}x{d} pos={pos} window={win} {var}"
         assert path == (ran or var.get("variant", ga.DECODE_VARIANT)), f"{what}: ran {path}"
-        errs.append(_check(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win), what))
+        errs.append(_check(out.copy_to_host(), ref.attention(q, k, v, qp, scale, win, sinks),
+                           what))
         assert not full[0].copy_to_host()[:, -1].any(), f"{what}: ticket column not reset"
     return max(errs)
 
@@ -103,6 +107,21 @@ S_CASES = ((0, 0), (13, 0), (31, 0), (31, 5))     # first, mid, last position; a
 def test_sim_decode(variant, kind):
     """Hq 4 / Hkv 2 x 32, S 32: pieces of 4+ keys, the default splits (few in the simulator)."""
     check_decode(np.random.default_rng(1), kind, 32, 4, 2, 32, 4, S_CASES, variant=variant)
+
+
+def _sinks(rng, hq):
+    """gpt-oss-like sinks, one above every score and one far below."""
+    s = (rng.standard_normal(hq) * 3.0).astype(np.float32)
+    s[0], s[-1] = 40.0, -40.0
+    return s
+
+
+@sim_only
+@pytest.mark.parametrize("variant", NEW + ("base",))
+def test_sim_decode_sinks(variant):
+    """Attention sinks after each path (log2 units for v2 / v2f, natural for base)."""
+    rng = np.random.default_rng()
+    check_decode(rng, "f32", 32, 4, 2, 32, 4, S_CASES, variant=variant, sinks=_sinks(rng, 4))
 
 
 @sim_only
@@ -186,6 +205,21 @@ def test_decode_gpu(variant, kind):
     if kind == "f32":
         check_decode(rng, kind, 32768, 32, 4, 128, 32, ((32767, 0), (20000, 4096)),
                      variant=variant)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+@pytest.mark.parametrize("variant", NEW + ("base",))
+def test_decode_sinks_gpu(variant, kind):
+    """gpt-oss-120b's attention (64 / 8 heads x 64, sinks, 128-key sliding window layers) at
+    S 4096, and Qwen3-30B-A3B's shapes with sinks."""
+    rng = np.random.default_rng()
+    check_decode(rng, kind, 4096, 64, 8, 64, 32, ((0, 0), (127, 128), (2047, 0), (4095, 128),
+                                                   (4095, 0)), variant=variant,
+                 sinks=_sinks(rng, 64))
+    check_decode(rng, kind, 4096, 32, 4, 128, 32, ((300, 0), (4095, 0)), variant=variant,
+                 sinks=_sinks(rng, 32))
 
 
 @pytest.mark.gpu
