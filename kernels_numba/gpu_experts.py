@@ -30,6 +30,7 @@ of one expert, each weight decoded once a token tile into shared memory; see its
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -642,6 +643,23 @@ _FLAT_DEC = {
 }
 
 
+@cuda.jit(device=True, inline=True)
+def _act_swiglu(act, k, r, g, u):
+    act[k, r] = silu(g) * u
+
+
+@cuda.jit(device=True, inline=True)
+def _act_raw(act, k, r, g, u):
+    """The sums as they are, gate into row k, up into row A + k of act [2A, I] (gpt-oss's
+    activation, with its biases, is clamped_swiglu's, a launch after)."""
+    act[k, r] = g
+    act[(act.shape[0] >> 1) + k, r] = u
+
+
+def _act_store(raw: bool):
+    return _act_raw if raw else _act_swiglu
+
+
 def _make_reduce(NV: int):
     """Device function: sums of acc[0:NV] over each warp -> part[warp * NV + q], then a barrier.
     Called by every thread of the block."""
@@ -684,9 +702,11 @@ def _make_reduce(NV: int):
     return reduce_block
 
 
-def _make_flat(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
-    """(gate_up, down) of the flat family for one format / decode / (rows, chunks) setting."""
+def _make_flat(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int, RAW: bool = False):
+    """(gate_up, down) of the flat family for one format / decode / (rows, chunks) setting;
+    RAW: gate_up stores the gate and up sums (_act_raw), not silu(gate) * up."""
     CW = CHUNK[fmt]
+    act_store = _act_store(RAW)
     decode, shift, tab_scale = _FLAT_DEC[(fmt, dec)]
     XS = float32(2.0 ** 64) if shift else float32(1.0)       # pre-scale of x / act
     POST = float32(2.0 ** (shift - 64)) if shift else float32(1.0)
@@ -779,7 +799,7 @@ def _make_flat(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
                     uu += part[w * NG + 2 * tid + 1]
                 g *= POST * bankf[slot, 0] * row_scale(bankf, slot, lay[1], r)
                 uu *= POST * bankf[slot, 1] * row_scale(bankf, slot, lay[3], r)
-                act[kk, r] = silu(g) * uu
+                act_store(act, kk, r, g, uu)
 
     @pdl_kernel
     @cuda.jit
@@ -866,9 +886,11 @@ def _make_flat(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
 # Index math stays 32-bit; scale bytes are decoded only when used (not at prefetch).
 
 
-def _make_pipe(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
-    """(gate_up, down) of the pipelined family; dec is the flat decode name ("tab", ...)."""
+def _make_pipe(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int, RAW: bool = False):
+    """(gate_up, down) of the pipelined family; dec is the flat decode name ("tab", ...); RAW
+    as _make_flat's."""
     CW = CHUNK[fmt]
+    act_store = _act_store(RAW)
     decode, shift, tab_scale = _FLAT_DEC[(fmt, dec)]
     XS = float32(2.0 ** 64) if shift else float32(1.0)
     POST = float32(2.0 ** (shift - 64)) if shift else float32(1.0)
@@ -989,7 +1011,7 @@ def _make_pipe(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
                                                float32(1.0))
                 uu *= POST * bankf[slot, 1] * (_rs_fp8(bankf, slot, lay[3], r) if FP8 else
                                                 float32(1.0))
-                act[k, r] = silu(g) * uu
+                act_store(act, k, r, g, uu)
             buf = 1 - buf
             it = nx
 
@@ -1218,8 +1240,9 @@ _Q_DEC = {
 }
 
 
-def _make_q(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
+def _make_q(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int, RAW: bool = False):
     """(gate_up, down) of the q family (NVFP4 only); same launch contract as _make_pipe."""
+    act_store = _act_store(RAW)
     if fmt != "nvfp4":
         raise ValueError(f"q expert kernels are NVFP4 only, not {fmt}")
     CW = 16
@@ -1286,7 +1309,7 @@ def _make_q(fmt: str, dec: str, GR: int, GJ: int, DR: int, DJ: int):
             for w in range(int32(cuda.blockDim.x) // int32(WARP)):
                 g += part[pb + w * NG + 2 * tid]
                 uu += part[pb + w * NG + 2 * tid + 1]
-            act[k, r] = silu(g * POST * bankf[slot, 0]) * (uu * POST * bankf[slot, 1])
+            act_store(act, k, r, g * POST * bankf[slot, 0], uu * POST * bankf[slot, 1])
 
     @pdl_kernel
     @cuda.jit
@@ -1445,6 +1468,68 @@ def combine_kernel(y, pos, out, accumulate):
         out[t, h] = s + (out[t, h] if accumulate else float32(0.0))
 
 
+# ---- gpt-oss: biased experts with a clamped SwiGLU -------------------------------------------
+# gate_up runs with RAW stores (_act_raw: gate and up sums in the two halves of act [2A, I]);
+# clamped_swiglu adds the biases and applies the activation in place; down runs as for any
+# family on act[:A]; expert_bias_add adds the routing-weighted down biases. The biases of a
+# layer are one float32 [E, 2I + H] array (gate | up | down), rows by expert id.
+
+@pdl_kernel
+@cuda.jit
+def _clamped_swiglu(act, eid, bias, lo, alpha, limit):
+    """grid (cdiv(I, THREADS), rows); row a = lo + blockIdx.y."""
+    pdl_wait()
+    pdl_trigger()
+    A = act.shape[0] >> 1
+    I = act.shape[1]
+    a = lo + cuda.blockIdx.y
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if r < I:
+        e = eid[a]
+        g = min(act[a, r] + bias[e, r], limit)
+        u = min(max(act[A + a, r] + bias[e, I + r], -limit), limit)
+        act[a, r] = (u + float32(1.0)) * g / (float32(1.0) + math.exp(-alpha * g))
+
+
+@pdl_kernel
+@cuda.jit
+def _expert_bias_add(out, ids, weights, bias):
+    """grid (cdiv(H, THREADS), T)."""
+    pdl_wait()
+    pdl_trigger()
+    t = cuda.blockIdx.y
+    h = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    H = out.shape[1]
+    if h < H:
+        o = bias.shape[1] - H
+        s = float32(0.0)
+        for k in range(ids.shape[1]):
+            s += weights[t, k] * bias[ids[t, k], o + h]
+        out[t, h] += s
+
+
+def clamped_swiglu(act, eid, bias, alpha, limit, stream, lo=0, hi=None):
+    """act float32 [2A, I] (rows < A: gate sums, A + a: up sums, as RAW gate_up stores them) ->
+    act[a] = (u + 1) * g * sigmoid(alpha g) for rows lo <= a < hi (default all), g = min(gate
+    + gate_b, limit), u = clip(up + up_b, +-limit), the biases of expert eid[a] (eid int32
+    [A], bias float32 [E, 2I + H]): gpt-oss's activation, reference.gpt_oss_expert's."""
+    a2, i = act.shape
+    hi = a2 // 2 if hi is None else hi
+    if a2 % 2 or bias.shape[1] <= 2 * i:
+        raise ValueError(f"clamped_swiglu: act {act.shape} must hold 2A rows and bias "
+                         f"{bias.shape} 2I + H columns")
+    if hi > lo:
+        _clamped_swiglu[(cdiv(i, THREADS), hi - lo), THREADS, stream](
+            act, eid, bias, int32(lo), float32(alpha), float32(limit))
+
+
+def expert_bias_add(out, ids, weights, bias, stream):
+    """out float32 [T, H] += sum_k weights[t, k] * down_b of expert ids[t, k] (bias float32
+    [E, 2I + H], the last H columns); ids int32, weights float32 [T, K]."""
+    t, h = out.shape
+    _expert_bias_add[(cdiv(h, THREADS), t), THREADS, stream](out, ids, weights, bias)
+
+
 # ---- prefill, "tiled" grouped kernels: one dequantized weight tile serves BT tokens --------------
 #
 # A block owns GT_BR weight rows x GT_BT assignments of ONE group (expert). The inner dimension
@@ -1532,9 +1617,11 @@ def _tile_of(gstart, G, j):
     return lo, a_lo, min(a_lo + GT_BT, gstart[lo + 1])
 
 
-def _make_tiled(fmt: str):
-    """(grouped gate_up, grouped down) of the tiled family for one format."""
+def _make_tiled(fmt: str, RAW: bool = False):
+    """(grouped gate_up, grouped down) of the tiled family for one format; RAW as _make_flat's
+    (act [2A, I])."""
     CW = CHUNK[fmt]
+    act_store = _act_store(RAW)
     CPR = GT_BK // CW                         # chunks of a tile row a step
     CHUNKS = GT_BR * CPR
     NQ = cdiv(CHUNKS, GT_THREADS)             # 8-byte weight loads a thread a step
@@ -1672,8 +1759,8 @@ def _make_tiled(fmt: str):
                 for j in range(GT_TW):
                     tt = ty + GT_TY * j
                     if tt < nt:
-                        act[a_lo + tt, r] = silu(acc[i * GT_TW + j] * sg) * \
-                            (acc[(i + GT_RW // 2) * GT_TW + j] * su)
+                        act_store(act, a_lo + tt, r, acc[i * GT_TW + j] * sg,
+                                  acc[(i + GT_RW // 2) * GT_TW + j] * su)
 
     @jit
     def tiled_down(bank64, bank8, bankf, lay, gslot, gstart, wts, act, y):
@@ -1743,11 +1830,11 @@ def _make_tiled(fmt: str):
 _TILED = {}
 
 
-def tiled_kernels(fmt: str):
-    """(grouped gate_up, grouped down) of the tiled family, built once per format."""
-    if fmt not in _TILED:
-        _TILED[fmt] = _make_tiled(fmt)
-    return _TILED[fmt]
+def tiled_kernels(fmt: str, raw: bool = False):
+    """(grouped gate_up, grouped down) of the tiled family, built once per format (and raw)."""
+    if (fmt, raw) not in _TILED:
+        _TILED[(fmt, raw)] = _make_tiled(fmt, raw)
+    return _TILED[(fmt, raw)]
 
 
 _KERNELS = {fmt: _make_kernels(fmt) for fmt in CHUNK}   # fmt -> the four kernels (compiled lazily)
@@ -1874,13 +1961,14 @@ def parse_variant(fmt: str, variant: str):
     return ((m.group(1) or "") + m.group(2),) + tuple(int(g) for g in m.groups()[2:])
 
 
-def flat_kernels(fmt: str, cfg):
-    """(gate_up, down) of a flat ("tab", ...) or pipelined ("ptab", ...) variant."""
-    if (fmt, cfg) not in _FLAT:
+def flat_kernels(fmt: str, cfg, raw: bool = False):
+    """(gate_up, down) of a flat ("tab", ...) or pipelined ("ptab", ...) variant; raw: gate_up
+    stores the gate and up sums (_act_raw)."""
+    if (fmt, cfg, raw) not in _FLAT:
         dec = cfg[0]
         make = {"p": _make_pipe, "q": _make_q}.get(dec[0], _make_flat)
-        _FLAT[(fmt, cfg)] = make(fmt, dec[1:] if dec[0] in "pq" else dec, *cfg[1:])
-    return _FLAT[(fmt, cfg)]
+        _FLAT[(fmt, cfg, raw)] = make(fmt, dec[1:] if dec[0] in "pq" else dec, *cfg[1:], RAW=raw)
+    return _FLAT[(fmt, cfg, raw)]
 
 
 _SPEC = {}
@@ -1945,6 +2033,8 @@ def _threads_for(chunks: int, per_thread: int) -> int:
 
 
 MMA_FALLBACK = "qtab-g8j1-d4j2"   # where the mma kernels cannot run a layout (Hs, Is % 128)
+# gpt-oss's RAW gate_up: the format's default where its family has the RAW stores
+RAW_VARIANT = {"nvfp4": MMA_FALLBACK, "fp8": "parith-g8j1-d4j2", "bf16": "parith-g4j4-d4j4"}
 TMA_FALLBACK = "mma-g4-d4-p5-c-l"   # where the tma kernels cannot (before sm_90, H != Hs, ...)
 
 
@@ -1987,11 +2077,22 @@ def _mma_or_fallback(fmt, cfg, views, lay_host, k):
     return parse_variant(fmt, MMA_FALLBACK)
 
 
+def raw_variant(fmt: str, variant: str = "") -> str:
+    """The decode variant that runs a RAW gate_up (gpt-oss): variant where its family has the
+    RAW stores (flat, pipelined, q), else RAW_VARIANT[fmt]."""
+    cfg = parse_variant(fmt, variant)
+    return variant if cfg is not None and cfg[0] not in ("mma", "tma", "lut") \
+        else RAW_VARIANT[fmt]
+
+
 def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="", min_blocks=0,
-                   unroll=0, threads=THREADS):
+                   unroll=0, threads=THREADS, raw=False):
     """x float32 [H] -> act float32 [K, I] for the K experts in slots int32 [K].
-    threads: block size of the legacy kernel, a multiple of 32 up to THREADS (tuning)."""
+    threads: block size of the legacy kernel, a multiple of 32 up to THREADS (tuning).
+    raw: act [2K, I] takes the gate and up sums (_act_raw), in raw_variant(fmt, variant)."""
     b64, b8, bf = views
+    if raw:
+        variant = raw_variant(fmt, variant)
     cfg = parse_variant(fmt, variant)
     if cfg is not None and cfg[0] == "lut":
         from . import gpu_experts_lut
@@ -2012,14 +2113,14 @@ def expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant="",
         nt = _threads_for(nch, gj)
         args = (b64, b8, bf, lay, slots, x, act)
         if dec[0] in "pq":
-            k, regs, maxt, smem = _specialized_smem(flat_kernels(fmt, cfg)[0], args)
+            k, regs, maxt, smem = _specialized_smem(flat_kernels(fmt, cfg, raw)[0], args)
             if _cap(nt, maxt) * gj >= nch:
                 nt = _cap(nt, maxt)
                 k[pipe_grid(cdiv(int(lay_host[7]), gr) * slots.shape[0], nt, regs, smem), nt,
                   stream](*args)
                 return
             cfg = (_one_pass_fallback(dec),) + cfg[1:]   # a row too long for one pass: flat
-        k, _, maxt = _specialized(flat_kernels(fmt, cfg)[0], args)
+        k, _, maxt = _specialized(flat_kernels(fmt, cfg, raw)[0], args)
         k[(cdiv(int(lay_host[7]), gr), slots.shape[0]), _cap(nt, maxt), stream](*args)
         return
     variant = "" if (variant or DEFAULT_VARIANT[fmt]) == "legacy" else variant
@@ -2070,6 +2171,20 @@ def expert_down(fmt, views, lay, lay_host, slots, weights, act, out, stream, acc
         b64, b8, bf, lay, slots, weights, act, out, acc)
 
 
+def expert_mlp_clamped(fmt, views, lay, lay_host, slots, ids, weights, x, act, out, bias, alpha,
+                       limit, stream, accumulate=False, variant=""):
+    """gpt-oss's experts for one token (expert_mlp's contract): ids int32 [K] the experts'
+    ids (their rows of bias float32 [E, 2I + H]), act float32 [2K, I] scratch; four launches,
+    nothing allocated, no sync."""
+    k = slots.shape[0]
+    expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant, raw=True)
+    clamped_swiglu(act, ids, bias, alpha, limit, stream)
+    expert_down(fmt, views, lay, lay_host, slots, weights, act[:k], out, stream, accumulate,
+                variant)
+    expert_bias_add(out.reshape(1, out.shape[0]), ids.reshape(1, k), weights.reshape(1, k), bias,
+                    stream)
+
+
 def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, accumulate=False,
                variant="", min_blocks=0, unroll=0):
     """One token through its K routed experts: two launches, nothing allocated, no sync.
@@ -2111,21 +2226,30 @@ def tiled_grid_x(a: int, groups: int) -> int:
 
 
 def grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x, act, y, stream,
-                         variant=""):
+                         variant="", clamp=None):
     """The grouped gate_up and down kernels over groups gslot int32 [G] with offsets gstart
     int32 [G + 1] (absolute assignment indices, so a slice of the groups can run alone):
     x [T, H] -> act [A, I] -> y [A, H] = wts[a] * expert(x[order[a]]) for those assignments.
-    variant: "tiled" or "legacy" ("" = GROUPED_VARIANT). Nothing allocated, no sync."""
+    variant: "tiled" or "legacy" ("" = GROUPED_VARIANT). Nothing allocated, no sync.
+    clamp: gpt-oss's experts (tiled only), (aid int32 [A] the expert of each assignment, bias
+    float32 [E, 2I + H], alpha, limit, (a_lo, a_hi) the assignments of these groups), act
+    [2A, I]; y gets no down bias (expert_bias_add adds it after the combine)."""
     b64, b8, bf = views
     g = gslot.shape[0]
     v = variant or GROUPED_VARIANT
+    if clamp is not None and v != "tiled":
+        raise ValueError(f"grouped expert kernels {v!r} have no clamped SwiGLU; use tiled")
     if v == "tiled":
         if g == 0:
             return
-        tgu, tdn = tiled_kernels(fmt)
+        tgu, tdn = tiled_kernels(fmt, clamp is not None)
         gx = tiled_grid_x(order.shape[0], g)
         tgu[(gx, cdiv(int(lay_host[7]), GT_BR // 2)), GT_THREADS, stream](
             b64, b8, bf, lay, gslot, gstart, order, x, act)
+        if clamp is not None:
+            aid, bias, alpha, limit, (lo, hi) = clamp
+            clamped_swiglu(act, aid, bias, alpha, limit, stream, lo, hi)
+            act = act[:order.shape[0]]
         tdn[(gx, cdiv(int(lay_host[6]), GT_BR)), GT_THREADS, stream](
             b64, b8, bf, lay, gslot, gstart, wts, act, y)
         return

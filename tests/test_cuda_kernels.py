@@ -99,6 +99,85 @@ def check_experts(fmt, h, i, k, slots, rng, bank=None, variant="", accumulate=Tr
     return e1
 
 
+def _oss_bias(rng, n_exp, h, i):
+    """gpt-oss expert biases [E, 2I + H] (gate | up | down), some far past the clamp (7)."""
+    b = (rng.standard_normal((n_exp, 2 * i + h)) * 3.0).astype(np.float32)
+    b[:, 0], b[:, 1], b[:, i], b[:, i + 1] = 20.0, -20.0, 20.0, -20.0
+    return b
+
+
+def _oss_moe(x, ids, slot_of, wts, ws, bias, h, i, alpha=1.702, limit=7.0):
+    """The oracle: token t's experts ids[t] (weights ws[slot_of[e]], biases bias[e])."""
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for kk in range(ids.shape[1]):
+            e = int(ids[t, kk])
+            b = bias[e]
+            out[t] += float(wts[t, kk]) * ref.gpt_oss_expert(
+                x[t:t + 1], *ws[slot_of[e]], b[:i], b[i:2 * i], b[2 * i:], alpha, limit)[0]
+    return out.astype(np.float32)
+
+
+def check_experts_clamped(fmt, h, i, k, n_exp, rng, variant=""):
+    """gpt-oss's experts for one token (expert_mlp_clamped) against reference.gpt_oss_expert:
+    biases by expert id, weights by slot (a permutation apart), accumulating into out."""
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = make_bank(fmt, h, i, n_exp, rng)
+    lh = lay.as_array()
+    views = ge.bank_views(dbank)
+    slot_of = rng.permutation(n_exp).astype(np.int32)
+    bias = _oss_bias(rng, n_exp, h, i)
+    ids = rng.choice(n_exp, size=k, replace=False).astype(np.int32)
+    w = rng.random(k).astype(np.float32)
+    x = (rng.standard_normal(h) * 3.0).astype(np.float32)
+    base = rng.standard_normal(h).astype(np.float32)
+    out = cuda.to_device(base)
+    ge.expert_mlp_clamped(fmt, views, cuda.to_device(lh), lh, cuda.to_device(slot_of[ids]),
+                          cuda.to_device(ids), cuda.to_device(w), cuda.to_device(x),
+                          _nan((2 * k, i)), out, cuda.to_device(bias), 1.702, 7.0, stream,
+                          accumulate=True, variant=variant)
+    stream.synchronize()
+    exp = _oss_moe(x[None], ids[None], slot_of, w[None], ws, bias, h, i)[0]
+    return _close(out.copy_to_host(), exp + base, what=f"expert_mlp_clamped {fmt} {variant}")
+
+
+def check_grouped_clamped(fmt, h, i, k, t, n_exp, rng):
+    """gpt-oss's experts over t tokens, tiled grouped kernels in two batches of groups (as the
+    engine runs them), then the combine and the down biases."""
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = make_bank(fmt, h, i, n_exp, rng)
+    lh, dl = lay.as_array(), cuda.to_device(lay.as_array())
+    views = ge.bank_views(dbank)
+    slot_of = rng.permutation(n_exp).astype(np.int32)
+    bias = _oss_bias(rng, n_exp, h, i)
+    ids, wts = ref.router_topk(rng.standard_normal((t, n_exp)).astype(np.float32), k, True)
+    ids = ids.astype(np.int32)
+    gslot, gstart, order, aw, pos = ge.group_assignments(ids, wts, lambda e: slot_of[e])
+    experts = np.unique(ids)
+    aid = np.repeat(experts, np.diff(gstart)).astype(np.int32)
+    x = (rng.standard_normal((t, h)) * 3.0).astype(np.float32)
+    a = t * k
+    act, y = _nan((2 * a, i)), _nan((a, h))
+    base = rng.standard_normal((t, h)).astype(np.float32)
+    out = cuda.to_device(base)
+    d = {n: cuda.to_device(v) for n, v in (("gslot", gslot), ("gstart", gstart), ("order", order),
+                                            ("aw", aw), ("aid", aid), ("bias", bias))}
+    half = len(experts) // 2
+    for g0, g1 in ((0, half), (half, len(experts))):
+        ge.grouped_gate_up_down(fmt, views, dl, lh, d["gslot"][g0:g1], d["gstart"][g0:g1 + 1],
+                                d["order"], d["aw"], cuda.to_device(x), act, y, stream,
+                                clamp=(d["aid"], d["bias"], 1.702, 7.0,
+                                       (int(gstart[g0]), int(gstart[g1]))))
+    ge.combine(y, cuda.to_device(pos), out, stream, accumulate=True)
+    ge.expert_bias_add(out, cuda.to_device(ids), cuda.to_device(wts.astype(np.float32)),
+                       d["bias"], stream)
+    stream.synchronize()
+    exp = _oss_moe(x, ids, slot_of, wts, ws, bias, h, i)
+    return _close(out.copy_to_host(), exp + base, what=f"grouped clamped {fmt}")
+
+
 def check_experts_grouped(fmt, h, i, k, t, n_exp, rng, variant=""):
     from kernels_numba import gpu_experts as ge
     stream = cuda.stream()
@@ -567,6 +646,13 @@ def run_sim_checks() -> None:
         print(f"ok grouped tiled {fmt} {time.time() - t0:.0f}s", flush=True)
     check_experts_grouped("fp8", 32, 16, 2, 5, 4, rng)
     print(f"ok grouped default {time.time() - t0:.0f}s", flush=True)
+    # gpt-oss: RAW gate_up, clamped SwiGLU with biases, down biases; decode in each format's
+    # RAW variant (and a flat one for nvfp4), prefill in the tiled kernels
+    for fmt, h, i in (("nvfp4", 44, 22), ("fp8", 40, 24), ("bf16", 36, 20)):
+        check_experts_clamped(fmt, h, i, 3, 5, rng)
+        check_grouped_clamped(fmt, h, i, 2, 7, 5, rng)
+    check_experts_clamped("nvfp4", 40, 24, 3, 5, rng, variant="tab-g2j1-d2j1")
+    print(f"ok experts clamped {time.time() - t0:.0f}s", flush=True)
     from kernels_numba.gpu_dense import Wide
     check_dense(rng, t=5, n=6, k=40, gemm_t=3,
                 configs=(None, (2, 2, 2), (4, 1, 3), Wide(1, 2, 1), Wide(2, 1, 2)))
@@ -649,6 +735,17 @@ def test_experts_gpu(fmt, h, i, k):
     check_experts(fmt, h, i, k, k + 4, rng, bank=bank)
     for v in live_variants(fmt)[1:]:
         check_experts(fmt, h, i, k, k + 4, rng, bank=bank, variant=v)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_experts_clamped_gpu(fmt):
+    """gpt-oss-20b's experts (2880 x 2880, top-4 of 32): decode in the format's RAW variant,
+    prefill in the tiled kernels (256 tokens), against reference.gpt_oss_expert."""
+    rng = np.random.default_rng()
+    check_experts_clamped(fmt, 2880, 2880, 4, 32, rng)
+    check_grouped_clamped(fmt, 2880, 2880, 4, 256, 32, rng)
 
 
 @pytest.mark.gpu
