@@ -44,6 +44,13 @@ DEVICE_GATHER = os.environ.get("MOE_STREAM_DEVICE_GATHER", "0") == "1"
 SERVE_TIMEOUT_S = 120.0  # a token graph that neither finishes nor asks for blocks this long
 
 
+def clamped(c) -> bool:
+    """gpt-oss: biased experts with a clamped SwiGLU (gx.expert_mlp_clamped: act holds the
+    gate and up sums, 2A rows), q / k / v / o biases, attention sinks, a biased router and
+    per-layer sliding windows."""
+    return getattr(c, "swiglu_limit", None) is not None
+
+
 def run_state_bytes(c, t: int, max_context: int) -> int:
     """Device bytes of the activations for a prefill chunk of t tokens (Buffers below), the
     logits and the device sampler's scratch: what the planner reserves beside the KV cache."""
@@ -54,7 +61,8 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
     dense_mlp = 2 * c.dense_intermediate if len(c.moe_layers) < c.n_layers else 0
     return 4 * (t * (5 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts
                      + 2 * c.shared_intermediate + 1 + dense_mlp)
-                + t * c.top_k * (c.moe_intermediate + c.hidden) + c.vocab_size * 2
+                + t * c.top_k * (c.moe_intermediate * (2 if clamped(c) else 1) + c.hidden)
+                + c.vocab_size * 2
                 + c.n_heads * pieces * (c.head_dim + 2))
 
 
@@ -88,7 +96,8 @@ class Buffers:
         self.ids = cuda.device_array((t, c.top_k), np.int32)     # [T, K]
         self.w = cuda.device_array((t, c.top_k), f)
         a = t * c.top_k
-        self.act = cuda.device_array((a, c.moe_intermediate), f)  # [A, I]
+        # [A, I]; gpt-oss [2A, I]: the gate and up sums, then its activation in rows < A
+        self.act = cuda.device_array(((2 if clamped(c) else 1) * a, c.moe_intermediate), f)
         self.y = cuda.device_array((a, c.hidden), f)              # [A, H]
         self.pos = cuda.device_array(t, np.int32)
         self.tok = cuda.device_array(t, np.int32)
@@ -138,6 +147,14 @@ class GpuRunState:
 
 
 _QKV = ("q", "k", "v")
+EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
+
+
+def _f32(a) -> np.ndarray:
+    """A weight as float32 (bf16 bits widened)."""
+    a = np.asarray(a)
+    return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else \
+        a.astype(np.float32)
 
 
 def embed_on_host(c) -> bool:
@@ -262,6 +279,9 @@ class GpuDecoder:
         """The host array behind a device weight (q | k | v fused, 1-D bf16 widened)."""
         if key == "qkv":
             a = np.concatenate([np.asarray(self._weight(x, layer)) for x in _QKV])
+        elif key == "expert_bias":   # gpt-oss: [E, 2I + H] (gate | up | down), rows by expert id
+            a = np.stack([np.concatenate([_f32(self._weight(k, layer, e)) for k in EXPERT_BIASES])
+                          for e in range(self.c.n_experts)])
         else:
             a = np.asarray(self._weight(key, layer))
         if a.ndim == 1 and a.dtype == np.uint16:
@@ -559,6 +579,13 @@ class GpuDecoder:
         if not device_slots:
             self.slots_d[l].copy_to_device(self.slots_h[l], stream=cs)
         # the down kernel adds into the residual stream itself (x + moe, one add as before)
+        if clamped(c):   # gpt-oss: its biases by the router's ids (on the device either way)
+            ids = self.ids_all_d[l] if device_slots else b.ids[0]
+            gx.expert_mlp_clamped(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], ids,
+                                  b.w[0], b.h[0], b.act[:2 * c.top_k], b.x.reshape(-1),
+                                  self.w("expert_bias", l), c.swiglu_alpha, c.swiglu_limit, cs,
+                                  accumulate=True)
+            return
         gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0], b.h[0],
                       b.act[:c.top_k], b.x.reshape(-1), cs, accumulate=True)
 
@@ -960,9 +987,14 @@ class GpuDecoder:
             gd.rope(k3, pos, self.inv_freq, cs, c.rope.attention_factor)
             gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
+        oss = clamped(c)
         ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
-                     _partials(b.partials, t, c.n_heads), cs, c.sliding_window)
+                     _partials(b.partials, t, c.n_heads), cs,
+                     c.layer_windows[l] if oss else c.sliding_window,
+                     sinks=self.w("sinks", l) if oss else None)
         self._linear_add(self.w("o", l), b.att[:t], b.o[:t], x)
+        if oss and c.attention_bias:
+            gm.add_rows(x, self.w("o_bias", l), cs)
 
     def _dense_mlp(self, l, b, t):
         c, cs = self.c, self.cs
@@ -995,6 +1027,8 @@ class GpuDecoder:
         """The routing of layer l's logits rl: softmax top-k, or (routing "sigmoid") sigmoid
         scores chosen with the layer's selection bias within groups."""
         c = self.c
+        if clamped(c):   # gpt-oss: a bias on the logits, then the softmax top-k
+            gm.add_rows(rl, self.w("router_bias", l), self.cs)
         if c.routing == "sigmoid":
             gs.router_sigmoid_topk(rl, self.w("router_bias", l), c.n_group, c.topk_group,
                                    c.norm_topk_prob, c.routed_scale, ids, w, self.cs, slots=slots)
@@ -1057,6 +1091,11 @@ class GpuDecoder:
         dev = _GroupArrays(gstart, order, wts, pos)
         gslot_d = cuda.to_device(gslot, stream=cs)
         a = t * c.top_k
+        act, clamp = b.act[:a], None
+        if clamped(c):   # gpt-oss: act [2A, I]; each assignment's expert picks its bias row
+            act = b.act[:2 * a]
+            aid = cuda.to_device(np.repeat(experts, np.diff(gstart)).astype(np.int32), stream=cs)
+            bias = self.w("expert_bias", l)
         prev_keys, prev_evt, prev2_evt = (), None, None
         # two batches in flight must fit in the slots the hot set leaves free
         batch = max(1, min(self.prefill_batch, (self.res.n_slots - len(self.res.hot)) // 2))
@@ -1065,14 +1104,19 @@ class GpuDecoder:
             slots = self.res.resolve(l, experts[g0:g1], protect=prev_keys, after=prev2_evt)
             gslot[g0:g1] = slots
             gslot_d[g0:g1].copy_to_device(gslot[g0:g1], stream=cs)
+            if clamped(c):
+                clamp = (aid, bias, c.swiglu_alpha, c.swiglu_limit,
+                         (int(gstart[g0]), int(gstart[g1])))
             gx.grouped_gate_up_down(self.fmt, self.views, self.lay, self.lay_h, gslot_d[g0:g1],
-                                    dev.gstart[g0:g1 + 1], dev.order, dev.wts, b.h[:t], b.act[:a],
-                                    b.y[:a], cs)
+                                    dev.gstart[g0:g1 + 1], dev.order, dev.wts, b.h[:t], act,
+                                    b.y[:a], cs, clamp=clamp)
             evt = cuda.event()
             evt.record(cs)
             prev2_evt, prev_evt = prev_evt, evt
             prev_keys = {(l, int(e)) for e in experts[g0:g1]}
         gx.combine(b.y[:a], dev.pos, b.x[:t], cs, accumulate=True)   # x += the experts' sum
+        if clamped(c):   # + the routing-weighted down biases (the router's ids, on the device)
+            gx.expert_bias_add(b.x[:t], b.ids[:t], b.w[:t], self.w("expert_bias", l), cs)
         cs.synchronize()   # host arrays above are reused by the next layer
 
 

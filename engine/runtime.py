@@ -192,18 +192,23 @@ def _dense_keys(c):
     keys = [("embed", None), ("final_norm", None)]
     if not c.tie_embeddings:
         keys.append(("lm_head", None))
+    from engine.gpu import clamped
+    oss = clamped(c)   # gpt-oss: o bias, sinks, router bias (engine/gpu.py clamped)
     per = ["attn_norm", "mlp_norm", "q", "k", "v", "o"]
     if c.attention_bias:
-        per += ["q_bias", "k_bias", "v_bias"]
+        per += ["q_bias", "k_bias", "v_bias"] + (["o_bias"] if oss else [])
     if c.qk_norm != "none":
         per += ["q_norm", "k_norm"]
-    moe = ["router"] + (["router_bias"] if c.routing == "sigmoid" else []) + \
+    per += ["sinks"] if oss else []
+    moe = ["router"] + (["router_bias"] if c.routing == "sigmoid" or oss else []) + \
         (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else []) + \
         (["shared_expert_gate"] if c.shared_intermediate and c.shared_gated else [])
     for l in range(c.n_layers):
         keys += [(k, l) for k in per]
         keys += [(k, l) for k in (moe if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
     assert all(k in NAMES[c.family] for k, _ in keys)
+    if oss:   # the per-expert biases as one [E, 2I + H] array a layer (GpuDecoder._host_array)
+        keys += [("expert_bias", l) for l in c.moe_layers]
     return keys
 
 
@@ -237,7 +242,7 @@ def cuda_status() -> tuple[bool, str]:
 
 
 GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1", "qwen3_next",
-                "qwen3_5_moe", "qwen3_5_moe_text")
+                "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
 
 
 def pick_device(device: str, family: str) -> str:

@@ -38,6 +38,12 @@ SIM_CASES = {
                      use_qk_norm=False, routed_scaling_factor=1.5),
     # layer 0 dense, layer 1 routed + gated shared expert
     "qwen2_moe": dict(TINY, num_experts=4, shared_expert_intermediate_size=8, mlp_only_layers=[0]),
+    # a sliding layer (window 1: the token alone, beside its sink) and a full one; q/k/v/o
+    # biases, sinks, the biased router, biased experts with a clamp that bites
+    "gpt_oss": dict(vocab_size=24, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=8, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2,
+                    num_hidden_layers=2, sliding_window=1, swiglu_limit=1.0,
+                    layer_types=["sliding_attention", "full_attention"]),
 }
 
 

@@ -29,7 +29,6 @@ FAMILIES = {
 
 # families the cpu backend alone runs (no cuda decoder), and why
 CPU_ONLY = {
-    "gpt_oss": "its expert biases and clamped SwiGLU are not in the CUDA kernels yet",
     "deepseek_v3": "its multi-head latent attention (a 576-value latent cache row, a query taken "
                    "through kv_b_proj) is not in the CUDA kernels yet",
     "deepseek_v2": "its multi-head latent attention (deepseek_v3's) is not in the CUDA kernels yet",
