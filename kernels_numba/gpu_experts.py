@@ -27,6 +27,9 @@ Prefill (grouped): assignments sorted by expert, gate_up -> act [A, I]; down -> 
 pairs, chosen by GROUPED_VARIANT: "tiled" (GEMM-style blocks of GT_BR weight rows x GT_BT tokens
 of one expert, each weight decoded once a token tile into shared memory; see its section) and
 "legacy" (a warp a row pair, tiles of TT tokens, each weight decoded once every TT tokens).
+gpt-oss (biased experts, clamped SwiGLU): the flat, pipelined, q and tiled gate_up kernels have
+a RAW build that stores the gate and up sums; clamped_swiglu and expert_bias_add do the rest
+(expert_mlp_clamped, grouped_gate_up_down(clamp=); see their section).
 """
 from __future__ import annotations
 

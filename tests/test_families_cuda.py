@@ -1,7 +1,8 @@
 """The llama-like families whose pieces only they use, on the cuda backend: glm4_moe (sigmoid
 routing with a selection bias, ungated shared experts, partial RoPE with per-head q/k norms,
-q/k/v biases, a first dense layer), dots1 (the same MoE beside Qwen3's attention) and qwen2_moe
-(a sigmoid-gated shared expert, q/k/v biases).
+q/k/v biases, a first dense layer), dots1 (the same MoE beside Qwen3's attention), qwen2_moe
+(a sigmoid-gated shared expert, q/k/v biases) and gpt_oss (attention sinks, sliding and full
+layers, q/k/v/o biases, a biased router, biased experts with a clamped SwiGLU, YaRN).
 - CPU-only CI: test_simulator_decoder() runs this file as a script in a subprocess with
   NUMBA_ENABLE_CUDASIM=1: the eager decoder against the CPU backend on a tiny model.
 - A GPU (marker gpu): cuda = cpu = transformers, graph replay = eager, streamed under tiny
@@ -68,6 +69,9 @@ def test_simulator_decoder(tmp_path, family):
     ("qwen2_moe", {}),
     ("qwen2_moe", dict(mlp_only_layers=[1], qkv_bias=False, norm_topk_prob=True)),
     ("dots1", dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.0)),
+    ("gpt_oss", {}),
+    ("gpt_oss", dict(hidden_size=64, intermediate_size=64, num_local_experts=16,
+                     num_experts_per_tok=4, sliding_window=4, swiglu_limit=7.0)),
 ])
 def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     import torch
@@ -87,13 +91,13 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
-@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe", "gpt_oss"])
 def test_graph_replay_and_streaming(tmp_path, family, resident):
     """Graph replay = eager = the CPU backend, resident (one graph a token, the router's slot
     path) or streamed (per-layer segments, the shared expert's own, the host resolve)."""
     from engine.pack import pack
-    over = dict(n_routed_experts=16, n_group=4, topk_group=2) if family == "glm4_moe" else \
-        dict(num_experts=16)
+    over = {"glm4_moe": dict(n_routed_experts=16, n_group=4, topk_group=2),
+            "gpt_oss": dict(num_local_experts=16)}.get(family, dict(num_experts=16))
     build_hf_model(tmp_path / "src", family, num_experts_per_tok=4, num_hidden_layers=3,
                    hidden_size=64, **over)
     pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)

@@ -1,6 +1,6 @@
 """gpt-oss (gpt-oss-20b, gpt-oss-120b): q/k/v/o biases, learned attention sinks, sliding and full
 attention layers (layer_types), a biased router (softmax over the top-k logits), experts with
-biases and a clamped SwiGLU. The cpu backend runs it (engine/models/__init__.py CPU_ONLY)."""
+biases and a clamped SwiGLU. Both backends run it (cuda: engine/gpu.py clamped())."""
 from __future__ import annotations
 
 from dataclasses import dataclass
