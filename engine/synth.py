@@ -61,6 +61,22 @@ PRESETS = {
         "linear_num_value_heads": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "max_position_embeddings": 262144,
     },
+    # gpt-oss-20b's config.json (the 120b: 36 layers, 128 experts, a 64 GB NVFP4 arena); the
+    # o200k tokenizer is not shipped, so it gets the byte-level one
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+        "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "attention_bias": True, "rms_norm_eps": 1e-5, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "swiglu_limit": 7.0,
+        "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0,
+                                               "beta_fast": 32.0, "beta_slow": 1.0,
+                                               "original_max_position_embeddings": 4096,
+                                               "truncate": False},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "eos_token_id": 200002, "pad_token_id": 199999,
+    },
 }
 
 DISTINCT_BLOCKS = 16  # random blocks generated, then cycled: speed does not depend on the values
@@ -135,6 +151,8 @@ def synth(preset: str, dst, experts: str = "nvfp4", force: bool = False, seed: i
     cfg = dict(PRESETS[preset])
     if layers:
         cfg["num_hidden_layers"] = layers
+        if "layer_types" in cfg:
+            cfg["layer_types"] = cfg["layer_types"][:layers]
     fam = family_of(cfg)
     c = fam.config
     rng = np.random.default_rng(seed)
@@ -146,8 +164,9 @@ def synth(preset: str, dst, experts: str = "nvfp4", force: bool = False, seed: i
         dense = {}
         centre = _vector_centres(c)
         for n, shape in fam.dense_spec.items():
-            if len(shape) == 1:
-                a = np.float32(centre.get(n, 1.0)) + 0.05 * rng.standard_normal(shape, dtype=np.float32)
+            if len(shape) == 1:   # a norm's weight near 1; biases and sinks near 0
+                c0 = centre.get(n, 0.0 if n.endswith(("bias", "sinks")) else 1.0)
+                a = np.float32(c0) + 0.05 * rng.standard_normal(shape, dtype=np.float32)
                 dense[n] = (a.view(np.uint32) >> 16).astype(np.uint16)
             else:
                 dense[n] = random_bf16(rng, shape)

@@ -1,0 +1,43 @@
+"""engine.synth: every preset parses as its family; a preset cut down to a tiny size is written
+as a packed folder that loads and generates (the CPU backend; the GPU benchmarks use the real
+sizes)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import synth as S
+from engine.models import family_of
+from engine.names import name
+
+
+@pytest.mark.parametrize("preset", sorted(S.PRESETS))
+def test_presets_parse(preset):
+    c = family_of(S.PRESETS[preset]).config
+    cfg = S.PRESETS[preset]
+    assert (c.hidden, c.n_layers, c.top_k) == (cfg["hidden_size"], cfg["num_hidden_layers"],
+                                               cfg["num_experts_per_tok"])
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_tiny_preset_packs_and_generates(tmp_path, monkeypatch, preset):
+    import engine
+    tiny = dict(S.PRESETS[preset], vocab_size=300, hidden_size=64, intermediate_size=64,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    tiny.update({"moe_intermediate_size": 32, "num_experts": 8} if preset.startswith("qwen")
+                else {"num_local_experts": 8})
+    monkeypatch.setitem(S.PRESETS, preset, tiny)
+    man = S.synth(preset, tmp_path / "m", "nvfp4", layers=2, progress=False)
+    assert len(man["blocks"]) == 2 * 8
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and len(cfg.get("layer_types", [0, 0])) == 2
+    m = engine.load(tmp_path / "m", device="cpu")
+    out = m.generate([1, 2, 3], max_new_tokens=4)
+    assert len(out.output_ids) == 4
+    if preset == "gpt-oss-20b":   # biases and sinks drawn near 0, norms near 1
+        from loader.checkpoint import Checkpoint
+        ck = Checkpoint(tmp_path / "m")
+        assert abs(ck.get_f32(name("gpt_oss", "sinks", 0)).mean()) < 0.1
+        assert abs(ck.get_f32(name("gpt_oss", "o_bias", 1)).mean()) < 0.1
+        assert abs(ck.get_f32(name("gpt_oss", "attn_norm", 0)).mean() - 1.0) < 0.1
