@@ -14,6 +14,8 @@
 #   f: the checkpoint formats on cuda: tests/test_int_checkpoint.py, tests/test_nvfp4_checkpoint.py
 #      (not yet run, 2026-12-02)
 #   ef: e and f side by side (three processes)
+#   oss: gpt-oss on cuda (2026-12-05, not yet run): its families tests and the clamped experts
+#      beside the attention tests (sinks at gpt-oss-120b's shapes) and the bf16 KV cache's
 # Both or all three of a group's processes run side by side: numba compiles on the CPU, so more
 # than two or three at once slow each other down (four side by side each ran past 250 s on
 # 2026-11-30; on 2026-12-01 b's two halves beside a third process each passed 331 s unfinished,
@@ -44,7 +46,11 @@ case "${1:-a}" in
     f) run formats tests/test_int_checkpoint.py tests/test_nvfp4_checkpoint.py ;;
     ef) run engine tests/test_gpu_engine.py & run hybrid tests/test_gpu_hybrid.py &
         run formats tests/test_int_checkpoint.py tests/test_nvfp4_checkpoint.py & wait ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef" >&2; exit 2 ;;
+    oss) { run families tests/test_families_cuda.py -k gpt_oss
+           run clamped tests/test_cuda_kernels.py -k clamped; } &
+         { run attention tests/test_attention_decode.py; run kv tests/test_kv_cache_bf16.py; } &
+         wait ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
