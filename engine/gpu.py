@@ -579,8 +579,11 @@ class GpuDecoder:
         if not device_slots:
             self.slots_d[l].copy_to_device(self.slots_h[l], stream=cs)
         # the down kernel adds into the residual stream itself (x + moe, one add as before)
-        if clamped(c):   # gpt-oss: its biases by the router's ids (on the device either way)
-            ids = self.ids_all_d[l] if device_slots else b.ids[0]
+        if clamped(c):   # gpt-oss: the biases by expert id, the ids the slots were resolved from
+            ids = self.ids_all_d[l]
+            if not device_slots:   # the host's (route_override may have replaced the router's)
+                ids = b.ids[0]
+                ids.copy_to_device(self.ids_all_h[l], stream=cs)
             gx.expert_mlp_clamped(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], ids,
                                   b.w[0], b.h[0], b.act[:2 * c.top_k], b.x.reshape(-1),
                                   self.w("expert_bias", l), c.swiglu_alpha, c.swiglu_limit, cs,
@@ -914,6 +917,7 @@ class GpuDecoder:
                 ids = np.array(self.ids_all_h[l:l + 1])
                 if self.route_override is not None:
                     ids = self.route_override(l, ids)
+                    self.ids_all_h[l] = ids[0]   # the experts' segment takes them (gpt-oss)
                 if self.on_route is not None:
                     self.on_route(l, ids)
                 self.slots_h[l] = self.res.resolve(l, ids[0])
@@ -1079,6 +1083,7 @@ class GpuDecoder:
         ids = self._route(l, b, t)
         if t == 1:   # b is self.one: the same launches the graphed decode replays
             self.slots_h[l] = self.res.resolve(l, ids[0])
+            self.ids_all_h[l] = ids[0]
             self._seg_experts(l, False)
             return
         self._moe_grouped(l, b, t, ids)
@@ -1115,8 +1120,9 @@ class GpuDecoder:
             prev2_evt, prev_evt = prev_evt, evt
             prev_keys = {(l, int(e)) for e in experts[g0:g1]}
         gx.combine(b.y[:a], dev.pos, b.x[:t], cs, accumulate=True)   # x += the experts' sum
-        if clamped(c):   # + the routing-weighted down biases (the router's ids, on the device)
-            gx.expert_bias_add(b.x[:t], b.ids[:t], b.w[:t], self.w("expert_bias", l), cs)
+        if clamped(c):   # + the routing-weighted down biases of the experts that ran
+            ids_d = cuda.to_device(np.ascontiguousarray(ids, np.int32), stream=cs)
+            gx.expert_bias_add(b.x[:t], ids_d, b.w[:t], self.w("expert_bias", l), cs)
         cs.synchronize()   # host arrays above are reused by the next layer
 
 

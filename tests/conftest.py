@@ -293,18 +293,20 @@ def check_device_sampling_equals_host(packed, prompt, resident: bool, n: int = 2
     assert c.output_ids == g.generate(prompt, max_new_tokens=n, **SAMPLED[1]).output_ids
 
 
-def eager_decoder_matches_cpu(model, setup=None, **load) -> None:
+def eager_decoder_matches_cpu(model, setup=None, cpu_setup=None, **load) -> None:
     """The cuda backend's eager decoder (the simulator has no CUDA graphs) against the CPU
     backend on model: a 2-token prefill (the T > 1 path: grouped experts) and a greedy decode
-    step (the T = 1 path the graphs capture), logits compared at each. setup(decoder) runs
-    first; load: engine.load keywords for both. Kept this small: the simulator costs about
-    0.1 s per 64-thread block."""
+    step (the T = 1 path the graphs capture), logits compared at each. setup(decoder) and
+    cpu_setup(cpu model) run first; load: engine.load keywords for both. Kept this small: the
+    simulator costs about 0.1 s per 64-thread block."""
     import engine
     cpu = engine.load(model, device="cpu", **load).model
     dec = engine.load(model, device="cuda", **load).gpu
     dec.use_graphs = False
     if setup is not None:
         setup(dec)
+    if cpu_setup is not None:
+        cpu_setup(cpu)
     sc, sg = cpu.new_state(8), dec.new_state(8)
     ids, toks, errs = np.array([3, 17]), [], []
     lc = np.asarray(cpu.forward(ids, sc, all_logits=True))
