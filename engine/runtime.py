@@ -166,13 +166,6 @@ def _available_ram() -> int:
     return 8 << 30
 
 
-def _device_nbytes(w) -> int:
-    """Bytes a dense weight takes on the device: the CUDA decoder widens 1-D bf16 weights (norms,
-    biases, sinks; gpt-oss's expert biases) to float32 (engine/gpu.py _host_array)."""
-    a = np.asarray(w)
-    return a.nbytes * (2 if a.ndim == 1 and a.dtype == np.uint16 else 1)
-
-
 class CheckpointBlocks:
     """Expert blocks (bf16) built on demand from a checkpoint, for the cuda backend."""
 
@@ -382,7 +375,7 @@ class Engine:
         vram = vram_gb
         ram = ram_gb if ram_gb is not None else getattr(self.experts, "budget", 0) / 1e9
         from engine.gpu import embed_on_host
-        dense_bytes = sum(_device_nbytes(w) for n, w in self._dense.items()
+        dense_bytes = sum(np.asarray(w).nbytes for n, w in self._dense.items()
                           if not (embed_on_host(c) and n == name(c.family, "embed")))
         if isinstance(c, HybridConfig):   # DeltaNet + gated attention: engine/gpu_hybrid.py
             from engine import gpu_hybrid as g
@@ -406,7 +399,7 @@ class Engine:
             for n, w in self._dense.items():
                 m = re.search(r"\.layers\.(\d+)\.", n)
                 if m:
-                    per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + _device_nbytes(w)
+                    per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + np.asarray(w).nbytes
             glob = dense_bytes - sum(per_layer.values())
             per_layer = {l: int(b * 1.05) + (16 << 10) for l, b in per_layer.items()}
             p = plan(dense_bytes=glob + sum(per_layer.values()), dense_layer_bytes=per_layer,
