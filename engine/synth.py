@@ -151,8 +151,9 @@ def synth(preset: str, dst, experts: str = "nvfp4", force: bool = False, seed: i
     cfg = dict(PRESETS[preset])
     if layers:
         cfg["num_hidden_layers"] = layers
-        if "layer_types" in cfg:
-            cfg["layer_types"] = cfg["layer_types"][:layers]
+        if "layer_types" in cfg:   # the preset's pattern, cut or repeated
+            types = cfg["layer_types"]
+            cfg["layer_types"] = [types[i % len(types)] for i in range(layers)]
     fam = family_of(cfg)
     c = fam.config
     rng = np.random.default_rng(seed)
