@@ -150,11 +150,12 @@ _QKV = ("q", "k", "v")
 EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
 
 
-def _f32(a) -> np.ndarray:
-    """A weight as float32 (bf16 bits widened)."""
+def _widened(a) -> np.ndarray:
+    """A weight as the device takes it: 1-D bf16 bits widened to float32, the rest as is."""
     a = np.asarray(a)
-    return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else \
-        a.astype(np.float32)
+    if a.ndim == 1 and a.dtype == np.uint16:
+        a = (a.astype(np.uint32) << 16).view(np.float32)
+    return a
 
 
 def embed_on_host(c) -> bool:
@@ -280,12 +281,11 @@ class GpuDecoder:
         if key == "qkv":
             a = np.concatenate([np.asarray(self._weight(x, layer)) for x in _QKV])
         elif key == "expert_bias":   # gpt-oss: [E, 2I + H] (gate | up | down), rows by expert id
-            a = np.stack([np.concatenate([_f32(self._weight(k, layer, e)) for k in EXPERT_BIASES])
+            a = np.stack([np.concatenate([_widened(self._weight(k, layer, e))
+                                          for k in EXPERT_BIASES])
                           for e in range(self.c.n_experts)])
         else:
-            a = np.asarray(self._weight(key, layer))
-        if a.ndim == 1 and a.dtype == np.uint16:
-            a = (a.astype(np.uint32) << 16).view(np.float32)
+            a = _widened(self._weight(key, layer))
         return np.ascontiguousarray(a)
 
     def upload_all(self, keys) -> None:
@@ -1122,7 +1122,7 @@ class GpuDecoder:
         gx.combine(b.y[:a], dev.pos, b.x[:t], cs, accumulate=True)   # x += the experts' sum
         if clamped(c):   # + the routing-weighted down biases of the experts that ran
             ids_d = cuda.to_device(np.ascontiguousarray(ids, np.int32), stream=cs)
-            gx.expert_bias_add(b.x[:t], ids_d, b.w[:t], self.w("expert_bias", l), cs)
+            gx.expert_bias_add(b.x[:t], ids_d, b.w[:t], bias, cs)
         cs.synchronize()   # host arrays above are reused by the next layer
 
 
