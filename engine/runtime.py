@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from engine.affinity import pin_current_thread, plan_cores
-from engine.models import CPU_ONLY, family_of
+from engine.models import cuda_refusal, family_of
 from engine.names import expert_names, name
 from engine.prefix import PrefixStore, usable
 from engine.tokenizer import StreamDecoder, load_tokenizer
@@ -186,8 +186,12 @@ def _dense_keys(c):
     llama-like family, the hybrid decoder's derived layouts for a hybrid one."""
     from engine.models.hybrid import HybridConfig
     from engine.names import NAMES
+    from engine.models.deepseek_v3 import DeepseekV3Config
     if isinstance(c, HybridConfig):
         from engine.gpu_hybrid import dense_keys
+        return dense_keys(c)
+    if isinstance(c, DeepseekV3Config):   # multi-head latent attention: engine/gpu_mla.py
+        from engine.gpu_mla import dense_keys
         return dense_keys(c)
     keys = [("embed", None), ("final_norm", None)]
     if not c.tie_embeddings:
@@ -242,15 +246,16 @@ def cuda_status() -> tuple[bool, str]:
 
 
 GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1", "qwen3_next",
-                "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
+                "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2")
 
 
-def pick_device(device: str, family: str) -> str:
-    """auto -> cuda when a GPU works and the family runs there, cpu otherwise (saying which)."""
+def pick_device(device: str, family: str, refusal: str | None = None) -> str:
+    """auto -> cuda when a GPU works and the model runs there, cpu otherwise (saying which);
+    refusal: why the cuda backend cannot run this model (engine.models.cuda_refusal)."""
     if device == "cpu":
         return "cpu"
-    if family in CPU_ONLY:
-        why = f"the cuda backend does not run {family}: {CPU_ONLY[family]}"
+    if refusal:
+        why = f"the cuda backend does not run this {family} model: {refusal}"
         if device == "cuda":
             raise RuntimeError(f"--device cuda: {why}")
         print(f"device auto: using cpu ({why})", file=sys.stderr)
@@ -294,7 +299,7 @@ class Engine:
         self.dir: Path = ck.dir
         fam = family_of(ck.config)
         self.config = c = fam.config
-        self.device = pick_device(device, c.family)
+        self.device = pick_device(device, c.family, cuda_refusal(c))
         self.cores = plan_cores(decode_core, reader_cores, self.device)
         for prefix, what in getattr(c, "ignored_parts", ()):   # e.g. a vision tower, MTP layers
             n = sum(1 for t in ck.tensors if t.startswith(prefix))
@@ -356,6 +361,7 @@ class Engine:
         """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py)."""
         from numba import cuda
 
+        from engine.models.deepseek_v3 import DeepseekV3Config
         from engine.models.hybrid import HybridConfig
         from engine.planner import PlanError, plan
         from loader.layout import ExpertLayout
@@ -380,6 +386,9 @@ class Engine:
         if isinstance(c, HybridConfig):   # DeltaNet + gated attention: engine/gpu_hybrid.py
             from engine import gpu_hybrid as g
             Decoder, kv = g.GpuHybridDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
+        elif isinstance(c, DeepseekV3Config):   # multi-head latent attention: engine/gpu_mla.py
+            from engine import gpu_mla as g
+            Decoder, kv = g.GpuMlaDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
         else:
             from engine import gpu as g
             Decoder = g.GpuDecoder

@@ -402,6 +402,17 @@ def _make_combine(DL):
 _COMBINE = {dl: _make_combine(dl) for dl in (MAX_D // WARP // 2, MAX_D // WARP)}
 
 
+def combine(q_pos, window, split, partials, out, stream):
+    """Merge the pieces in partials (pm, pl, pacc as the partial kernels leave them; pacc's
+    rows at least D wide) into out [T, Hq, D], any D (MLA's latent too: gpu_mla)."""
+    t, hq, d = out.shape
+    dl = cdiv(d, WARP)
+    if dl not in _COMBINE:
+        _COMBINE[dl] = _make_combine(dl)
+    pm, pl, pacc = partials
+    _COMBINE[dl][t * hq, COMB_THREADS, stream](q_pos, int32(window), int32(split), pm, pl, pacc, out)
+
+
 # ---- decode v2 / v2f (T = 1) -----------------------------------------------------------------
 
 VARIANTS = ("base", "v2", "v2f")

@@ -126,6 +126,24 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
     return out.astype(np.float32)
 
 
+def mla_absorb_q(q_nope: np.ndarray, kv_b: np.ndarray) -> np.ndarray:
+    """MLA: each head's query into the latent space through the key half of kv_b.
+    q_nope [T, Hq, Nn], kv_b [Hq (Nn + V), C] (float32 or bf16 bits) -> [T, Hq, C]."""
+    t, hq, nope = q_nope.shape
+    w = (bf16_to_f32(kv_b) if kv_b.dtype == np.uint16 else kv_b).astype(np.float64)
+    w = w.reshape(hq, -1, w.shape[1])[:, :nope]                          # [Hq, Nn, C]
+    return np.einsum("thn,hnc->thc", q_nope.astype(np.float64), w).astype(np.float32)
+
+
+def mla_absorb_o(a: np.ndarray, kv_b: np.ndarray, v_dim: int) -> np.ndarray:
+    """MLA: each head's latent attention output through the value half of kv_b.
+    a [T, Hq, C], kv_b [Hq (Nn + V), C] -> [T, Hq, V]."""
+    t, hq, _ = a.shape
+    w = (bf16_to_f32(kv_b) if kv_b.dtype == np.uint16 else kv_b).astype(np.float64)
+    w = w.reshape(hq, -1, w.shape[1])[:, -v_dim:]                        # [Hq, V, C]
+    return np.einsum("thc,hvc->thv", a.astype(np.float64), w).astype(np.float32)
+
+
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x [T, K], w [N, K] (float32, or uint16 bfloat16 bits) -> [T, N] float32."""
     wf = bf16_to_f32(w) if w.dtype == np.uint16 else w

@@ -45,7 +45,21 @@ SIM_CASES = {
                     head_dim=8, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2,
                     num_hidden_layers=2, sliding_window=1, swiglu_limit=1.0,
                     layer_types=["sliding_attention", "full_attention"]),
+    # MLA (engine/gpu_mla.py): layer 0 dense, layer 1 routed + shared expert; V3 with low-rank q
+    # and grouped sigmoid routing, V2 with q_proj and softmax routing times its scaling factor
+    "deepseek_v3": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
+                        moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
+                        num_hidden_layers=2, n_routed_experts=4, n_group=2, topk_group=1,
+                        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.5,
+                        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                        v_head_dim=6),
+    "deepseek_v2": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
+                        moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
+                        num_hidden_layers=2, n_routed_experts=4, first_k_dense_replace=1,
+                        n_shared_experts=1, routed_scaling_factor=2.0, kv_lora_rank=8,
+                        q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6),
 }
+DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder"}
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))
@@ -108,11 +122,13 @@ def test_graph_replay_and_streaming(tmp_path, family, resident):
 if __name__ == "__main__":
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         sys.exit("run with NUMBA_ENABLE_CUDASIM=1 (or through pytest)")
-    eager_decoder_matches_cpu(Path(sys.argv[1]),
-                              lambda dec: None if type(dec).__name__ == "GpuDecoder" else
-                              sys.exit(f"expected GpuDecoder, got {type(dec).__name__}"))
     import json
-    if json.loads((Path(sys.argv[1]) / "config.json").read_text())["model_type"] == "gpt_oss":
+    family = json.loads((Path(sys.argv[1]) / "config.json").read_text())["model_type"]
+    want = DECODERS.get(family, "GpuDecoder")
+    eager_decoder_matches_cpu(Path(sys.argv[1]),
+                              lambda dec: None if type(dec).__name__ == want else
+                              sys.exit(f"expected {want}, got {type(dec).__name__}"))
+    if family == "gpt_oss":
         # a host-side routing override (benchmarks) moves the biases with the experts it picks:
         # the same shift on the CPU model's routing gives the same logits
         def shifted(route, e):

@@ -27,12 +27,12 @@ FAMILIES = {
     "gpt_oss": gpt_oss,
 }
 
-# families the cpu backend alone runs (no cuda decoder), and why
-CPU_ONLY = {
-    "deepseek_v3": "its multi-head latent attention (a 576-value latent cache row, a query taken "
-                   "through kv_b_proj) is not in the CUDA kernels yet",
-    "deepseek_v2": "its multi-head latent attention (deepseek_v3's) is not in the CUDA kernels yet",
-}
+def cuda_refusal(c) -> str | None:
+    """Why the cuda backend cannot run a model of config c (it runs on the cpu backend), or None."""
+    if c.family == "deepseek_v2" and c.n_group > 1:
+        return ("its group-limited softmax routing (topk_method group_limited_greedy: DeepSeek-V2, "
+                "V2.5) is not in the CUDA router yet")
+    return None
 
 
 class Family(NamedTuple):

@@ -1,0 +1,170 @@
+"""The CUDA decoder of the MLA families (DeepSeek-V3 / R1, Moonlight, Kimi K2; DeepSeek-V2,
+V2-Lite, Coder-V2): GpuDecoder with multi-head latent attention in its absorbed form
+(kernels_numba/gpu_mla.py; the math: engine/models/deepseek_v3.py). The MoE side is the base
+decoder's: V3's sigmoid routing with groups and a selection bias, V2's softmax top-k times
+routed_scaling_factor, shared experts, the first layers dense.
+
+What changes against GpuDecoder:
+- weights: the rotary rows of q (q_proj or q_b_proj) and of kv_a_proj_with_mqa come in
+  interleaved pairs; their rows are permuted once at upload into rotate-half order (evens, then
+  odds), so the plain rotate-half RoPE gives the reference's dot products with no gather a token.
+  kv_b stays as the checkpoint has it (bf16): the absorb kernels read its key and value halves.
+- run state: one latent cache row a token a layer ([S_max, 1, C + R]; v is the same array).
+- attention a layer: norm -> q (through the low-rank q_a / q_a_norm / q_b when q_lora_rank) and
+  kv_a -> prep (q's rotary part into the latent query, the normed latent and rotated key into
+  the cache) -> absorb_q -> MLA attention -> absorb_o -> o projection added to the residual.
+Legend: T = tokens, Hq = heads, Nn = qk_nope dims, R = rotary dims, C = kv_lora_rank,
+D = C + R, V = v_head_dim, Lq = q_lora_rank.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from engine.gpu import Buffers, GpuDecoder, GpuRunState, _partials
+from engine.gpu import run_state_bytes as _base_run_state_bytes
+from kernels_numba import gpu_dense as gd
+from kernels_numba import gpu_misc as gm
+from kernels_numba import gpu_mla as gml
+
+
+def rot_order(c) -> np.ndarray:
+    """The rotary dims in rotate-half order: interleaved pairs (x0, x1), (x2, x3)... -> evens
+    then odds (as the CPU decoder gathers them); identity when the checkpoint is not interleaved."""
+    r = c.qk_rope_dim
+    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if c.rope_interleave else np.arange(r)
+
+
+def _q_rows(c) -> np.ndarray:
+    per = c.qk_nope_dim + c.qk_rope_dim
+    head = np.concatenate([np.arange(c.qk_nope_dim), c.qk_nope_dim + rot_order(c)])
+    return (np.arange(c.n_heads)[:, None] * per + head).ravel()
+
+
+def _kv_a_rows(c) -> np.ndarray:
+    return np.concatenate([np.arange(c.kv_lora_rank), c.kv_lora_rank + rot_order(c)])
+
+
+def dense_keys(c) -> list:
+    """(key, layer) of every device weight the MLA decoder reads."""
+    keys = [("embed", None), ("final_norm", None)]
+    if not c.tie_embeddings:
+        keys.append(("lm_head", None))
+    attn = ["attn_norm", "mlp_norm", "kv_a", "kv_a_norm", "kv_b", "o"]
+    attn += ["q_a", "q_a_norm", "q_b"] if c.q_lora_rank else ["q"]
+    if c.attention_bias:
+        attn += ["kv_a_bias", "o_bias"] + (["q_a_bias"] if c.q_lora_rank else [])
+    moe = ["router"] + (["router_bias"] if c.routing == "sigmoid" else []) + \
+        (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else [])
+    for l in range(c.n_layers):
+        keys += [(k, l) for k in attn]
+        keys += [(k, l) for k in (moe if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
+    return keys
+
+
+def _extra_floats(c, t: int) -> int:
+    """Float32 values of MlaBuffers beside the base Buffers, for t tokens."""
+    qd = c.n_heads * (c.qk_nope_dim + c.qk_rope_dim)
+    return t * (c.q_lora_rank + qd + c.n_heads * (c.kv_lora_rank + c.v_head_dim))
+
+
+def run_state_bytes(c, t: int, max_context: int) -> int:
+    """GpuDecoder's activations for t tokens plus the MLA ones (MlaBuffers)."""
+    return _base_run_state_bytes(c, t, max_context) + 4 * _extra_floats(c, t)
+
+
+def state_bytes(c, max_context: int, kv_itemsize: int = 4) -> int:
+    """Device bytes of a sequence's latent cache."""
+    return kv_itemsize * c.n_layers * max_context * c.kv_dim
+
+
+class MlaBuffers(Buffers):
+    """Buffers, with q the latent query [T, Hq D] and k the kv_a output [T, D], plus the MLA
+    activations (float32)."""
+
+    def __init__(self, c, t: int, s_max: int):
+        super().__init__(c, t, s_max)
+        f = np.float32
+        if c.q_lora_rank:
+            self.qa = cuda.device_array((t, c.q_lora_rank), f)                    # [T, Lq]
+        self.qr = cuda.device_array((t, c.n_heads, c.qk_nope_dim + c.qk_rope_dim), f)
+        self.lat = cuda.device_array((t, c.n_heads, c.kv_lora_rank), f)          # [T, Hq, C]
+        self.ov = cuda.device_array((t, c.n_heads * c.v_head_dim), f)            # [T, Hq V]
+
+
+class MlaRunState(GpuRunState):
+    """The latent cache [L][S_max, 1, D] (float32 or bf16 bits); v is the same list."""
+
+    def __init__(self, c, max_context: int, kv_dtype=np.float32):
+        self.max_context = max_context
+        self.k = [cuda.device_array((max_context, 1, c.head_dim), kv_dtype) for _ in range(c.n_layers)]
+        self.v = self.k
+        self.pos = 0
+
+    def save_nbytes(self, keep: int) -> int:
+        return sum(a.nbytes // a.shape[0] * keep for a in self.k)
+
+    def save(self, keep: int, stream) -> dict:
+        out = {"k": [a[:keep].copy_to_host(stream=stream) for a in self.k], "v": []}
+        stream.synchronize()
+        return out
+
+    def load(self, saved: dict, keep: int, stream) -> None:
+        for a, h in zip(self.k, saved["k"]):
+            a[:keep].copy_to_device(np.ascontiguousarray(h[:keep]), stream=stream)
+        self.pos = keep
+
+
+class GpuMlaDecoder(GpuDecoder):
+    fuse_qkv = False
+    buffers_cls = MlaBuffers
+    state_cls = MlaRunState
+
+    def _host_array(self, key: str, layer: int | None) -> np.ndarray:
+        a = super()._host_array(key, layer)
+        if key in ("q", "q_b"):
+            return np.ascontiguousarray(a[_q_rows(self.c)])
+        if key in ("kv_a", "kv_a_bias"):
+            return np.ascontiguousarray(a[_kv_a_rows(self.c)])
+        return a
+
+    def _attention(self, l, b, t, st):
+        c, cs, w = self.c, self.cs, self.w
+        x, h = b.x[:t], b.h[:t]
+        hq = c.n_heads
+        gd.rmsnorm(x, w("attn_norm", l), c.rms_eps, h, cs)
+        qr = b.qr[:t]
+        q2 = qr.reshape(t, -1)
+        if c.q_lora_rank:
+            qa = b.qa[:t]
+            self._linear(w("q_a", l), h, qa)
+            if c.attention_bias:
+                gm.add_rows(qa, w("q_a_bias", l), cs)
+            gd.rmsnorm(qa, w("q_a_norm", l), c.rms_eps, qa, cs)
+            self._linear(w("q_b", l), qa, q2)
+        else:
+            self._linear(w("q", l), h, q2)
+        kv = b.k[:t]                                                     # [T, D]
+        self._linear(w("kv_a", l), h, kv)
+        if c.attention_bias:
+            gm.add_rows(kv, w("kv_a_bias", l), cs)
+        q_lat = b.q[:t].reshape(t, hq, c.head_dim)
+        pos = b.pos[:t]
+        gml.prep(qr, kv, w("kv_a_norm", l), c.rms_eps, pos, self.inv_freq,
+                 c.rope.attention_factor, q_lat, st.k[l], cs)
+        kv_b = w("kv_b", l)
+        gml.absorb_q(qr, kv_b, q_lat, cs)
+        lat = b.lat[:t]
+        gml.attention(q_lat, st.k[l], pos, c.softmax_scale, lat, _partials(b.partials, t, hq), cs)
+        ov = b.ov[:t]
+        gml.absorb_o(lat, kv_b, ov.reshape(t, hq, c.v_head_dim), cs)
+        self._linear_add(w("o", l), ov, b.o[:t], x)
+        if c.attention_bias:
+            gm.add_rows(x, w("o_bias", l), cs)
+
+    def _topk(self, l, rl, ids, w, slots=None):
+        """V2's softmax routing: the probabilities times routed_scaling_factor (not renormed)."""
+        super()._topk(l, rl, ids, w, slots)
+        c = self.c
+        if c.routing != "sigmoid" and c.routed_scale != 1.0:
+            gm.scale(w.reshape(-1), c.routed_scale, self.cs)
