@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda
 
 from engine.gpu import Buffers, GpuDecoder, GpuRunState, _partials
+from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
@@ -71,6 +72,11 @@ def _extra_floats(c, t: int) -> int:
 def run_state_bytes(c, t: int, max_context: int) -> int:
     """GpuDecoder's activations for t tokens plus the MLA ones (MlaBuffers)."""
     return _base_run_state_bytes(c, t, max_context) + 4 * _extra_floats(c, t)
+
+
+def pick_prefill_chunk(c, max_context: int, vram_bytes: float, share: float = 0.15) -> int:
+    """The largest prefill chunk whose run state (the MLA one) fits a share of the VRAM."""
+    return _base_pick_prefill_chunk(c, max_context, vram_bytes, share, run_state_bytes)
 
 
 def state_bytes(c, max_context: int, kv_itemsize: int = 4) -> int:
