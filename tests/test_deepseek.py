@@ -1,5 +1,5 @@
-"""DeepSeek-V3 and -V2 beyond parity (tests/test_parity.py, tests/test_packed.py): the cpu backend
-only, by name; config refusals; the latent cache's size; the softmax scale at the released
+"""DeepSeek-V3 and -V2 beyond parity (tests/test_parity.py, tests/test_packed.py; the cuda
+backend: tests/test_families_cuda.py, tests/test_mla_cuda.py): what the cuda backend refuses; config refusals; the latent cache's size; the softmax scale at the released
 shapes."""
 from __future__ import annotations
 
@@ -91,16 +91,28 @@ def test_config_refused(field, value, says):
         family_of({**V3, field: value})
 
 
-def test_cuda_refused_auto_picks_cpu_state_bytes(tiny, capfd):
-    with pytest.raises(RuntimeError, match="--device cuda: the cuda backend does not run "
-                                           "deepseek_v3: its multi-head latent attention"):
-        engine.load(tiny, device="cuda")
-    m = engine.load(tiny, device="auto")
-    assert m.device == "cpu"
-    assert "device auto: using cpu (the cuda backend does not run deepseek_v3" in capfd.readouterr().err
+def test_state_bytes(tiny):
+    m = engine.load(tiny, device="cpu")
     cfg = json.loads((tiny / "config.json").read_text())
     row = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     # the mean over positions 1..4 of every layer's rows, 4 bytes a value, one row (not K and V)
     assert m.state_bytes_per_token(0, 4) == 3 * row * 4 * 2.5
     st = m.model.new_state(8)
     assert st.v is st.k and st.k.shape == (3, 8, 1, row)
+
+
+def test_cuda_refusal_by_config(tmp_path, capfd):
+    """V3 and V2-Lite run on cuda (engine/gpu_mla.py); V2's group-limited softmax routing does
+    not yet: --device cuda says why, auto takes the cpu and says why."""
+    from engine.models import cuda_refusal
+    assert cuda_refusal(family_of(V3).config) is None
+    assert cuda_refusal(family_of(V2_LITE).config) is None
+    build_hf_model(tmp_path, "deepseek_v2", topk_method="group_limited_greedy", n_group=2,
+                   topk_group=1)
+    with pytest.raises(RuntimeError, match="--device cuda: the cuda backend does not run this "
+                                           "deepseek_v2 model: its group-limited softmax routing"):
+        engine.load(tmp_path, device="cuda")
+    m = engine.load(tmp_path, device="auto")
+    assert m.device == "cpu"
+    assert "device auto: using cpu (the cuda backend does not run this deepseek_v2 model" \
+        in capfd.readouterr().err

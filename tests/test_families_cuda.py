@@ -2,7 +2,8 @@
 routing with a selection bias, ungated shared experts, partial RoPE with per-head q/k norms,
 q/k/v biases, a first dense layer), dots1 (the same MoE beside Qwen3's attention), qwen2_moe
 (a sigmoid-gated shared expert, q/k/v biases) and gpt_oss (attention sinks, sliding and full
-layers, q/k/v/o biases, a biased router, biased experts with a clamped SwiGLU, YaRN).
+layers, q/k/v/o biases, a biased router, biased experts with a clamped SwiGLU, YaRN),
+deepseek_v3 / deepseek_v2 (multi-head latent attention: engine/gpu_mla.py).
 - CPU-only CI: test_simulator_decoder() runs this file as a script in a subprocess with
   NUMBA_ENABLE_CUDASIM=1: the eager decoder against the CPU backend on a tiny model.
 - A GPU (marker gpu): cuda = cpu = transformers, graph replay = eager, streamed under tiny
@@ -46,13 +47,13 @@ SIM_CASES = {
                     num_hidden_layers=2, sliding_window=1, swiglu_limit=1.0,
                     layer_types=["sliding_attention", "full_attention"]),
     # MLA (engine/gpu_mla.py): layer 0 dense, layer 1 routed + shared expert; V3 with low-rank q
-    # and grouped sigmoid routing, V2 with q_proj and softmax routing times its scaling factor
+    # and grouped sigmoid routing, biases on q_a / kv_a / o, V2 with q_proj and softmax routing times its scaling factor
     "deepseek_v3": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
                         moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
                         num_hidden_layers=2, n_routed_experts=4, n_group=2, topk_group=1,
                         first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.5,
                         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                        v_head_dim=6),
+                        v_head_dim=6, attention_bias=True),
     "deepseek_v2": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
                         moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
                         num_hidden_layers=2, n_routed_experts=4, first_k_dense_replace=1,
@@ -86,6 +87,12 @@ def test_simulator_decoder(tmp_path, family):
     ("gpt_oss", {}),
     ("gpt_oss", dict(hidden_size=64, intermediate_size=64, num_local_experts=16,
                      num_experts_per_tok=4, sliding_window=4, swiglu_limit=7.0)),
+    ("deepseek_v3", {}),
+    ("deepseek_v3", dict(hidden_size=64, n_routed_experts=16, n_group=4, topk_group=2,
+                         num_experts_per_tok=3, kv_lora_rank=64, q_lora_rank=32,
+                         qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)),
+    ("deepseek_v2", {}),
+    ("deepseek_v2", dict(routed_scaling_factor=2.0, attention_bias=True)),
 ])
 def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     import torch
@@ -105,12 +112,13 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
-@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_graph_replay_and_streaming(tmp_path, family, resident):
     """Graph replay = eager = the CPU backend, resident (one graph a token, the router's slot
     path) or streamed (per-layer segments, the shared expert's own, the host resolve)."""
     from engine.pack import pack
     over = {"glm4_moe": dict(n_routed_experts=16, n_group=4, topk_group=2),
+            "deepseek_v3": dict(n_routed_experts=16, n_group=4, topk_group=2),
             "gpt_oss": dict(num_local_experts=16)}.get(family, dict(num_experts=16))
     build_hf_model(tmp_path / "src", family, num_experts_per_tok=4, num_hidden_layers=3,
                    hidden_size=64, **over)
