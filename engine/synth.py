@@ -77,6 +77,23 @@ PRESETS = {
         "max_position_embeddings": 131072, "tie_word_embeddings": False,
         "eos_token_id": 200002, "pad_token_id": 199999,
     },
+    # DeepSeek-V2-Lite's config.json (multi-head latent attention, softmax routing; an 8 GB
+    # NVFP4 arena); byte-level tokenizer
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+        "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 1.0,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "num_experts_per_tok": 6, "first_k_dense_replace": 1, "norm_topk_prob": False,
+        "scoring_func": "softmax", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40,
+                                              "mscale": 0.707, "mscale_all_dim": 0.707,
+                                              "original_max_position_embeddings": 4096,
+                                              "type": "yarn"},
+        "tie_word_embeddings": False, "eos_token_id": 100001, "bos_token_id": 100000,
+    },
 }
 
 DISTINCT_BLOCKS = 16  # random blocks generated, then cycled: speed does not depend on the values

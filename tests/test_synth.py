@@ -20,16 +20,19 @@ def test_presets_parse(preset):
                                                cfg["num_experts_per_tok"])
 
 
-@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b"])
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v2-lite"])
 def test_tiny_preset_packs_and_generates(tmp_path, monkeypatch, preset):
     import engine
     tiny = dict(S.PRESETS[preset], vocab_size=300, hidden_size=64, intermediate_size=64,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    tiny.update({"moe_intermediate_size": 32, "num_experts": 8} if preset.startswith("qwen")
-                else {"num_local_experts": 8})
+    tiny.update({"qwen3-30b-a3b": {"moe_intermediate_size": 32, "num_experts": 8},
+                 "gpt-oss-20b": {"num_local_experts": 8},
+                 "deepseek-v2-lite": {"moe_intermediate_size": 32, "n_routed_experts": 8,
+                                      "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+                                      "qk_nope_head_dim": 16, "v_head_dim": 16}}[preset])
     monkeypatch.setitem(S.PRESETS, preset, tiny)
     man = S.synth(preset, tmp_path / "m", "nvfp4", layers=2, progress=False)
-    assert len(man["blocks"]) == 2 * 8
+    assert len(man["blocks"]) == (1 if preset.startswith("deepseek") else 2) * 8   # (a dense layer 0)
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and len(cfg.get("layer_types", [0, 0])) == 2
     m = engine.load(tmp_path / "m", device="cpu")
