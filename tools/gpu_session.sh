@@ -16,6 +16,9 @@
 #   ef: e and f side by side (three processes)
 #   oss: gpt-oss on cuda (2026-12-05, not yet run): its families tests and the clamped experts
 #      beside the attention tests (sinks at gpt-oss-120b's shapes) and the bf16 KV cache's
+#   mla: DeepSeek-V2 / V3 on cuda (2026-12-05, not yet run): the MLA kernels at V2-Lite's and
+#      V3's shapes beside the deepseek families tests, then a V2-Lite-shaped synthetic arena
+#      streamed at --vram-gb 8 (engine.bench gpu-stream, RAM 8 and 32 GB)
 # Both or all three of a group's processes run side by side: numba compiles on the CPU, so more
 # than two or three at once slow each other down (four side by side each ran past 250 s on
 # 2026-11-30; on 2026-12-01 b's two halves beside a third process each passed 331 s unfinished,
@@ -50,7 +53,13 @@ case "${1:-a}" in
            run clamped tests/test_cuda_kernels.py -k clamped; } &
          { run attention tests/test_attention_decode.py; run kv tests/test_kv_cache_bf16.py; } &
          wait ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss" >&2; exit 2 ;;
+    mla) run mla tests/test_mla_cuda.py & run families tests/test_families_cuda.py -k deepseek &
+         wait
+         python3 -m engine.synth deepseek-v2-lite /tmp/dsl > "$OUT/dsl_bench.log" 2>&1 &&
+             timeout 240 python3 -m engine.bench gpu-stream --model /tmp/dsl --vram-gb 8 \
+                 --ram-gb 8 32 >> "$OUT/dsl_bench.log" 2>&1
+         echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/dsl_bench.log" ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
