@@ -35,8 +35,10 @@ from .gpu_util import (NEG_INF, SIM, WARP, bf16_at, block_sum, cdiv, pdl_kernel,
                        putter, warp_sum)
 
 PREP_THREADS = 32 if SIM else 128
+PREP_WARPS = PREP_THREADS // WARP   # (shared array sizes must be plain constants)
 AQ_THREADS = 32 if SIM else 128
 AO_WARPS = 2 if SIM else 8
+AO_THREADS = AO_WARPS * WARP
 TT = 2 if SIM else 4            # tokens a block of the absorb kernels takes (prefill)
 GH = 8                          # attention: heads a block (the tile shares every row load)
 ATT_THREADS = 64 if SIM else 128
@@ -73,7 +75,7 @@ def _make_prep(BF):
         pdl_wait()
         pdl_trigger()
         red = cuda.shared.array(PREP_THREADS, float32)
-        wred = cuda.shared.array(PREP_THREADS // WARP, float32)
+        wred = cuda.shared.array(PREP_WARPS, float32)
         T, Hq, QD = q.shape
         D = kv.shape[1]
         r2 = inv_freq.shape[0]
@@ -168,7 +170,7 @@ def _make_absorb_o(elem):
         """a float32 [T, Hq, C], kv_b [Hq (Nn + V), C] -> out float32 [T, Hq, V]."""
         pdl_wait()
         pdl_trigger()
-        red = cuda.shared.array(AO_WARPS * WARP, float32)   # the simulator's warp sums
+        red = cuda.shared.array(AO_THREADS, float32)   # the simulator's warp sums
         T, Hq, V = out.shape
         C = a.shape[2]
         per = kv_b.shape[0] // Hq
@@ -201,7 +203,7 @@ _ABSORB_O = {True: pdl_kernel(_make_absorb_o(_w_bf16)), False: pdl_kernel(_make_
 def absorb_o(a, kv_b, out, stream):
     t, hq, v = out.shape
     nope = kv_b.shape[0] // hq - v
-    _ABSORB_O[kv_b.dtype == np.uint16][(cdiv(t, TT), cdiv(hq * v, AO_WARPS)), AO_WARPS * WARP, stream](
+    _ABSORB_O[kv_b.dtype == np.uint16][(cdiv(t, TT), cdiv(hq * v, AO_WARPS)), AO_THREADS, stream](
         a, kv_b, int32(nope), out)
 
 
