@@ -1,8 +1,8 @@
 """The CUDA decoder of the MLA families (DeepSeek-V3 / R1, Moonlight, Kimi K2; DeepSeek-V2,
 V2-Lite, Coder-V2): GpuDecoder with multi-head latent attention in its absorbed form
 (kernels_numba/gpu_mla.py; the math: engine/models/deepseek_v3.py). The MoE side is the base
-decoder's: V3's sigmoid routing with groups and a selection bias, V2's softmax top-k times
-routed_scaling_factor, shared experts, the first layers dense.
+decoder's: V3's sigmoid routing with groups and a selection bias, V2's softmax top-k (greedy or
+group-limited) times routed_scaling_factor, shared experts, the first layers dense.
 
 What changes against GpuDecoder:
 - weights: the rotary rows of q (q_proj or q_b_proj) and of kv_a_proj_with_mqa come in
@@ -27,6 +27,7 @@ from engine.gpu import run_state_bytes as _base_run_state_bytes
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
 from kernels_numba import gpu_mla as gml
+from kernels_numba import gpu_sampling as gs
 
 
 def rot_order(c) -> np.ndarray:
@@ -169,8 +170,15 @@ class GpuMlaDecoder(GpuDecoder):
             gm.add_rows(x, w("o_bias", l), cs)
 
     def _topk(self, l, rl, ids, w, slots=None):
-        """V2's softmax routing: the probabilities times routed_scaling_factor (not renormed)."""
-        super()._topk(l, rl, ids, w, slots)
+        """V2's softmax routing: the probabilities times routed_scaling_factor (not renormed),
+        from all experts (greedy) or from the topk_group groups whose best is highest."""
         c = self.c
-        if c.routing != "sigmoid" and c.routed_scale != 1.0:
-            gm.scale(w.reshape(-1), c.routed_scale, self.cs)
+        if c.routing == "sigmoid":
+            super()._topk(l, rl, ids, w, slots)
+        elif c.n_group > 1:
+            gs.router_sigmoid_topk(rl, None, c.n_group, c.topk_group, False, c.routed_scale, ids, w,
+                                   self.cs, slots=slots, softmax=True)
+        else:
+            super()._topk(l, rl, ids, w, slots)
+            if c.routed_scale != 1.0:
+                gm.scale(w.reshape(-1), c.routed_scale, self.cs)

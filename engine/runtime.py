@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from engine.affinity import pin_current_thread, plan_cores
-from engine.models import cuda_refusal, family_of
+from engine.models import family_of
 from engine.names import expert_names, name
 from engine.prefix import PrefixStore, usable
 from engine.tokenizer import StreamDecoder, load_tokenizer
@@ -249,16 +249,9 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2")
 
 
-def pick_device(device: str, family: str, refusal: str | None = None) -> str:
-    """auto -> cuda when a GPU works and the model runs there, cpu otherwise (saying which);
-    refusal: why the cuda backend cannot run this model (engine.models.cuda_refusal)."""
+def pick_device(device: str, family: str) -> str:
+    """auto -> cuda when a GPU works and the family runs there, cpu otherwise (saying which)."""
     if device == "cpu":
-        return "cpu"
-    if refusal:
-        why = f"the cuda backend does not run this {family} model: {refusal}"
-        if device == "cuda":
-            raise RuntimeError(f"--device cuda: {why}")
-        print(f"device auto: using cpu ({why})", file=sys.stderr)
         return "cpu"
     ok, reason = cuda_status()
     if ok and family not in GPU_FAMILIES:
@@ -299,7 +292,7 @@ class Engine:
         self.dir: Path = ck.dir
         fam = family_of(ck.config)
         self.config = c = fam.config
-        self.device = pick_device(device, c.family, cuda_refusal(c))
+        self.device = pick_device(device, c.family)
         self.cores = plan_cores(decode_core, reader_cores, self.device)
         for prefix, what in getattr(c, "ignored_parts", ()):   # e.g. a vision tower, MTP layers
             n = sum(1 for t in ck.tensors if t.startswith(prefix))

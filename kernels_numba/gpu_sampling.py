@@ -238,13 +238,15 @@ def router_topk(logits, norm_topk_prob, ids, weights, stream, slots=None, varian
     kern[t, WARP, stream](logits, norm, ids, weights, slot_of, out)
 
 
-def _make_router_sigmoid(SLOTS):
+def _make_router_sigmoid(SLOTS, SOFTMAX=False):
     @cuda.jit(device=True, inline=True)
     def body(logits, bias, n_group, topk_group, norm, scale, ids, weights, slot_of, slots):
         """grid T, 32 threads. Choice keys (sigmoid + bias) in shared memory; lanes < n_group
         score their group (its two best keys), lane 0 keeps the topk_group best groups, the
         rest are knocked out; then K rounds of lane scan + warp argmax as the softmax base
-        kernel, each pick weighted by its sigmoid score. SLOTS: slots[t, k] = slot_of[ids]."""
+        kernel, each pick weighted by its sigmoid score. SLOTS: slots[t, k] = slot_of[ids].
+        SOFTMAX (DeepSeek-V2's group_limited_greedy): the scores and keys are the softmax
+        probabilities (no bias), a group scores its best one."""
         key = cuda.shared.array(ROUTER_MAX_E, float32)
         sig = cuda.shared.array(ROUTER_MAX_E, float32)
         gsum = cuda.shared.array(WARP, float32)
@@ -254,10 +256,24 @@ def _make_router_sigmoid(SLOTS):
         lane = cuda.threadIdx.x
         E = logits.shape[1]
         K = ids.shape[1]
-        for e in range(lane, E, WARP):
-            v = float32(1.0) / (float32(1.0) + math.exp(-logits[t, e]))
-            sig[e] = v
-            key[e] = v + bias[e]
+        if SOFTMAX:
+            m = NEG_INF
+            for e in range(lane, E, WARP):
+                m = max(m, logits[t, e])
+            m = warp_max(m, red)
+            z = float32(0.0)
+            for e in range(lane, E, WARP):
+                z += math.exp(logits[t, e] - m)
+            z = warp_sum(z, red)
+            for e in range(lane, E, WARP):
+                v = math.exp(logits[t, e] - m) / z
+                sig[e] = v
+                key[e] = v
+        else:
+            for e in range(lane, E, WARP):
+                v = float32(1.0) / (float32(1.0) + math.exp(-logits[t, e]))
+                sig[e] = v
+                key[e] = v + bias[e]
         cuda.syncthreads()
         if topk_group < n_group:
             per = E // n_group
@@ -271,7 +287,7 @@ def _make_router_sigmoid(SLOTS):
                         b1 = v
                     elif v > b2:
                         b2 = v
-                gsum[lane] = b1 + (b2 if per > 1 else float32(0.0))
+                gsum[lane] = b1 + (b2 if per > 1 and not SOFTMAX else float32(0.0))
             cuda.syncthreads()
             if lane == 0:   # keep the best topk_group groups: red_i[g] = 1 (warp_argmax reuses
                 for g in range(n_group):   # red_i only after the barrier below)
@@ -323,15 +339,19 @@ def _make_router_sigmoid(SLOTS):
     return router_sigmoid
 
 
-_router_sigmoid = _make_router_sigmoid(False)
-_router_sigmoid_slots = _make_router_sigmoid(True)
+_ROUTER_GROUPED = {(slots, sm): _make_router_sigmoid(slots, sm) for slots in (False, True)
+                   for sm in (False, True)}
 
 
 def router_sigmoid_topk(logits, bias, n_group, topk_group, norm_topk_prob, scale, ids, weights,
-                        stream, slots=None):
+                        stream, slots=None, softmax=False):
     """DeepSeek-V3 / GLM-4.5 routing (reference.router_sigmoid_topk): logits float32 [T, E],
-    bias float32 [E] -> ids int32 [T, K], weights float32 [T, K]; slots as router_topk."""
+    bias float32 [E] -> ids int32 [T, K], weights float32 [T, K]; slots as router_topk.
+    softmax: DeepSeek-V2's group-limited softmax instead (reference.router_group_softmax_topk;
+    bias None)."""
     t, e = logits.shape
+    if softmax:
+        bias = logits[0]   # (unread)
     k = ids.shape[1]
     if e > ROUTER_MAX_E or n_group > WARP or e % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(f"router_sigmoid_topk: {e} experts in {n_group} groups (at most "
@@ -344,13 +364,13 @@ def router_sigmoid_topk(logits, bias, n_group, topk_group, norm_topk_prob, scale
     args = (logits, bias, int32(n_group), int32(topk_group), int32(1 if norm_topk_prob else 0),
             float32(scale), ids, weights)
     if slots is None:
-        _router_sigmoid[t, WARP, stream](*args)
+        _ROUTER_GROUPED[False, bool(softmax)][t, WARP, stream](*args)
         return
     slot_of, out = slots
     if slot_of.shape != (e,) or out.shape != ids.shape:
         raise ValueError(f"router_sigmoid_topk slots: table {slot_of.shape} for {e} experts, "
                          f"out {out.shape} for ids {ids.shape}")
-    _router_sigmoid_slots[t, WARP, stream](*args, slot_of, out)
+    _ROUTER_GROUPED[True, bool(softmax)][t, WARP, stream](*args, slot_of, out)
 
 
 @pdl_kernel

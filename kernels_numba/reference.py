@@ -192,6 +192,24 @@ def router_sigmoid_topk(logits: np.ndarray, bias: np.ndarray, k: int, n_group: i
     return ids, (w * scale).astype(np.float32)
 
 
+def router_group_softmax_topk(logits: np.ndarray, k: int, n_group: int, topk_group: int,
+                              scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V2's group_limited_greedy: p = softmax(logits); the topk_group of n_group equal
+    groups whose best p is highest are kept; the k largest p among them (lower index first on
+    ties) -> (ids int32 [T, K], weights p * scale float32 [T, K]), not renormalized."""
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    t, e = p.shape
+    per = e // n_group
+    keep = np.argsort(-p.reshape(t, n_group, per).max(-1), axis=-1, kind="stable")[:, :topk_group]
+    allowed = np.zeros((t, n_group), bool)
+    np.put_along_axis(allowed, keep, True, axis=-1)
+    c = np.where(np.repeat(allowed, per, axis=1), p, -np.inf)
+    ids = np.argsort(-c, axis=-1, kind="stable")[:, :k].astype(np.int32)
+    return ids, (np.take_along_axis(p, ids, axis=-1) * scale).astype(np.float32)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 

@@ -99,20 +99,3 @@ def test_state_bytes(tiny):
     assert m.state_bytes_per_token(0, 4) == 3 * row * 4 * 2.5
     st = m.model.new_state(8)
     assert st.v is st.k and st.k.shape == (3, 8, 1, row)
-
-
-def test_cuda_refusal_by_config(tmp_path, capfd):
-    """V3 and V2-Lite run on cuda (engine/gpu_mla.py); V2's group-limited softmax routing does
-    not yet: --device cuda says why, auto takes the cpu and says why."""
-    from engine.models import cuda_refusal
-    assert cuda_refusal(family_of(V3).config) is None
-    assert cuda_refusal(family_of(V2_LITE).config) is None
-    build_hf_model(tmp_path, "deepseek_v2", topk_method="group_limited_greedy", n_group=2,
-                   topk_group=1)
-    with pytest.raises(RuntimeError, match="--device cuda: the cuda backend does not run this "
-                                           "deepseek_v2 model: its group-limited softmax routing"):
-        engine.load(tmp_path, device="cuda")
-    m = engine.load(tmp_path, device="auto")
-    assert m.device == "cpu"
-    assert "device auto: using cpu (the cuda backend does not run this deepseek_v2 model" \
-        in capfd.readouterr().err

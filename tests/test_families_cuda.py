@@ -59,6 +59,14 @@ SIM_CASES = {
                         num_hidden_layers=2, n_routed_experts=4, first_k_dense_replace=1,
                         n_shared_experts=1, routed_scaling_factor=2.0, kv_lora_rank=8,
                         q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6),
+    # V2 / V2.5's group-limited softmax routing: 8 experts in 4 groups, 2 kept
+    "deepseek_v2-grouped": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
+                                moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=3,
+                                num_hidden_layers=2, n_routed_experts=8, first_k_dense_replace=1,
+                                n_shared_experts=1, routed_scaling_factor=16.0, kv_lora_rank=8,
+                                q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                v_head_dim=6, topk_method="group_limited_greedy", n_group=4,
+                                topk_group=2),
 }
 DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder"}
 
@@ -66,7 +74,7 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder"}
 @pytest.mark.parametrize("family", sorted(SIM_CASES))
 def test_simulator_decoder(tmp_path, family):
     # bf16, as the cuda backend builds bf16 expert blocks from a checkpoint
-    build_hf_model(tmp_path, family, dtype="bfloat16", **SIM_CASES[family])
+    build_hf_model(tmp_path, family.split("-")[0], dtype="bfloat16", **SIM_CASES[family])
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     r = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True,
@@ -93,6 +101,8 @@ def test_simulator_decoder(tmp_path, family):
                          qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)),
     ("deepseek_v2", {}),
     ("deepseek_v2", dict(routed_scaling_factor=2.0, attention_bias=True)),
+    ("deepseek_v2", dict(n_routed_experts=16, num_experts_per_tok=3, topk_method="group_limited_greedy",
+                         n_group=4, topk_group=2, routed_scaling_factor=16.0)),
 ])
 def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     import torch

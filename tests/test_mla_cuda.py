@@ -3,7 +3,8 @@ kernels_numba/reference.py, on fresh random inputs with outputs poisoned first.
 
 - CPU-only CI: test_simulator() runs this file as a script with NUMBA_ENABLE_CUDASIM=1 at tiny
   shapes (heads not a multiple of the tile, token counts not a multiple of the absorb kernels'
-  tile, several pieces and several key steps a piece, float32 and bf16 caches and weights).
+  tile, several pieces and several key steps a piece, float32 and bf16 caches and weights), and
+  DeepSeek-V2's group-limited softmax routing.
 - A GPU (marker gpu): the same checks at DeepSeek-V2-Lite's and V3's shapes.
 Run directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_mla_cuda.py
 """
@@ -120,12 +121,38 @@ def check_attention(rng, hq, c_dim, r, s_max, split, t_prefill, gh):
                 _close(out.copy_to_host(), want, 1e-5, f"MLA attention bf16={bf} t={t} pos={qp[-1]}")
 
 
+def check_router_group_softmax(rng, t, e, k, n_group, topk_group):
+    """DeepSeek-V2's group-limited softmax routing (gs.router_sigmoid_topk softmax=True) against
+    the oracle: the same ids, weights times the scale, every pick inside the kept groups; the slot
+    table path the same."""
+    from kernels_numba import gpu_sampling as gs
+    stream = cuda.stream()
+    logits = (rng.standard_normal((t, e)) * 2).astype(np.float32)
+    slot_of = rng.permutation(e).astype(np.int32)
+    eids, ew = ref.router_group_softmax_topk(logits, k, n_group, topk_group, 16.0)
+    dl = cuda.to_device(logits)
+    ids, w = cuda.to_device(np.full((t, k), -1, np.int32)), cuda.to_device(np.full((t, k), np.nan, np.float32))
+    gs.router_sigmoid_topk(dl, None, n_group, topk_group, False, 16.0, ids, w, stream, softmax=True)
+    ids2, w2 = cuda.to_device(np.full((t, k), -1, np.int32)), cuda.to_device(np.full((t, k), np.nan, np.float32))
+    sl = cuda.to_device(np.full((t, k), -1, np.int32))
+    gs.router_sigmoid_topk(dl, None, n_group, topk_group, False, 16.0, ids2, w2, stream,
+                           slots=(cuda.to_device(slot_of), sl), softmax=True)
+    stream.synchronize()
+    ih = ids.copy_to_host()
+    assert np.array_equal(ih, eids), f"group softmax ids {ih} != {eids}"
+    _close(w.copy_to_host(), ew, 1e-5, "group softmax weights")
+    assert np.array_equal(ids2.copy_to_host(), ih) and np.array_equal(w2.copy_to_host(), w.copy_to_host())
+    assert np.array_equal(sl.copy_to_host(), slot_of[ih]), "group softmax slots"
+    assert all(len(set(row // (e // n_group))) <= topk_group for row in ih), "picks outside the kept groups"
+
+
 def run_sim_checks() -> None:
     rng = np.random.default_rng()
     check_prep(rng, t=3, hq=3, nope=6, r=4, c_dim=40, s_max=9)   # C over a block: a strided norm
     check_absorb(rng, t=3, hq=3, nope=5, v_dim=6, c_dim=36, r=4)  # C past one block of columns
     # 3 heads in tiles of 2; 11 rows in pieces of 2+ keys, steps of 4 keys (SIM's KC)
     check_attention(rng, hq=3, c_dim=12, r=4, s_max=11, split=2, t_prefill=3, gh=2)
+    check_router_group_softmax(rng, t=3, e=40, k=4, n_group=8, topk_group=3)   # two a lane
     print("SIM MLA CHECKS PASSED", flush=True)
 
 
@@ -148,6 +175,7 @@ def test_mla_kernels_gpu(hq, nope, v_dim):
     check_prep(rng, t=5, hq=hq, nope=nope, r=64, c_dim=512, s_max=64)
     check_absorb(rng, t=7, hq=hq, nope=nope, v_dim=v_dim, c_dim=512, r=64)
     check_attention(rng, hq=hq, c_dim=512, r=64, s_max=4096, split=32, t_prefill=37, gh=8)
+    check_router_group_softmax(rng, t=5, e=160, k=6, n_group=8, topk_group=3)   # DeepSeek-V2's
 
 
 if __name__ == "__main__":

@@ -27,14 +27,6 @@ FAMILIES = {
     "gpt_oss": gpt_oss,
 }
 
-def cuda_refusal(c) -> str | None:
-    """Why the cuda backend cannot run a model of config c (it runs on the cpu backend), or None."""
-    if c.family == "deepseek_v2" and c.n_group > 1:
-        return ("its group-limited softmax routing (topk_method group_limited_greedy: DeepSeek-V2, "
-                "V2.5) is not in the CUDA router yet")
-    return None
-
-
 class Family(NamedTuple):
     config: object
     model_cls: type
