@@ -152,7 +152,7 @@ def run_sim_checks() -> None:
     check_absorb(rng, t=3, hq=3, nope=5, v_dim=6, c_dim=36, r=4)  # C past one block of columns
     # 3 heads in tiles of 2; 11 rows in pieces of 2+ keys, steps of 4 keys (SIM's KC)
     check_attention(rng, hq=3, c_dim=12, r=4, s_max=11, split=2, t_prefill=3, gh=2)
-    check_router_group_softmax(rng, t=3, e=40, k=4, n_group=8, topk_group=3)   # two a lane
+    check_router_group_softmax(rng, t=24, e=40, k=4, n_group=8, topk_group=3)   # two a lane
     print("SIM MLA CHECKS PASSED", flush=True)
 
 
