@@ -170,15 +170,12 @@ class GpuMlaDecoder(GpuDecoder):
             gm.add_rows(x, w("o_bias", l), cs)
 
     def _topk(self, l, rl, ids, w, slots=None):
-        """V2's softmax routing: the probabilities times routed_scaling_factor (not renormed),
-        from all experts (greedy) or from the topk_group groups whose best is highest."""
+        """V3: the base decoder's sigmoid routing. V2: the softmax probabilities times
+        routed_scaling_factor (not renormed), from the topk_group groups whose best is highest."""
         c = self.c
         if c.routing == "sigmoid":
             super()._topk(l, rl, ids, w, slots)
-        elif c.n_group > 1:
-            gs.router_sigmoid_topk(rl, None, c.n_group, c.topk_group, False, c.routed_scale, ids, w,
-                                   self.cs, slots=slots, softmax=True)
-        else:
-            super()._topk(l, rl, ids, w, slots)
-            if c.routed_scale != 1.0:
-                gm.scale(w.reshape(-1), c.routed_scale, self.cs)
+            return
+        # greedy is the one-group case (the config sets n_group = topk_group = 1)
+        gs.router_sigmoid_topk(rl, None, c.n_group, c.topk_group, False, c.routed_scale, ids, w,
+                               self.cs, slots=slots, softmax=True)

@@ -83,21 +83,6 @@ def clip(x, lim, stream):
 
 @pdl_kernel
 @cuda.jit
-def _scale(x, s):
-    pdl_wait()
-    pdl_trigger()
-    i = cuda.grid(1)
-    if i < x.shape[0]:
-        x[i] *= s
-
-
-def scale(x, s, stream):
-    """x [n] *= s in place (pass .reshape(-1) views)."""
-    _scale[cdiv(x.shape[0], THREADS), THREADS, stream](x, float32(s))
-
-
-@pdl_kernel
-@cuda.jit
 def _silu_mul(g, u, out):
     pdl_wait()
     pdl_trigger()

@@ -1,5 +1,5 @@
-"""Compile the MLA kernels (kernels_numba/gpu_mla.py, and the combine and scale kernels the MLA
-decoder adds) to sm_90 PTX and cubins on a machine with no GPU: the typing errors the simulator
+"""Compile the MLA kernels (kernels_numba/gpu_mla.py, and the combine kernel at the latent's
+width) to sm_90 PTX and cubins on a machine with no GPU: the typing errors the simulator
 does not see (a shared array sized by an expression, say), and registers / spills / shared
 memory a kernel. Setup as tools/sass_local.py (nvidia-cuda-nvrtc, a CUDA toolkit's ptxas):
     CUDA_HOME=/usr/local/cuda-13.0 python tools/ptx_mla.py [--ptxas PATH]
@@ -25,7 +25,6 @@ def main() -> int:
     from numba import types as T
 
     from kernels_numba import gpu_attention as ga
-    from kernels_numba import gpu_misc as gm
     from kernels_numba import gpu_mla as gml
     f32, i32, u16 = T.float32, T.int32, T.uint16
 
@@ -63,7 +62,6 @@ def main() -> int:
             ga._COMBINE[dl] = ga._make_combine(dl)
         rc |= build("combine_512", ga._COMBINE[dl], (arr(i32, 1), i32, i32, arr(f32, 2), arr(f32, 2),
                                                     arr(f32, 3), arr(f32, 3)), out)
-        rc |= build("scale", gm._scale, (arr(f32, 1), f32), out)
     return rc
 
 
