@@ -117,6 +117,11 @@ class Buffers:
         self.pos_h = cuda.pinned_array(t, np.int32)
 
 
+def cache_arrays(st) -> list:
+    """A run state's cache arrays, each once (MLA's v is its k)."""
+    return st.k if st.v is st.k else st.k + st.v
+
+
 class GpuRunState:
     """KV cache [L][S_max, Hkv, D] in VRAM (float32, or uint16 bf16 bits: kv_dtype), and the
     filled length."""
@@ -130,18 +135,17 @@ class GpuRunState:
         self.pos = 0
 
     def save_nbytes(self, keep: int) -> int:
-        return sum(a.nbytes // a.shape[0] * keep for a in self.k + self.v)
+        return sum(a.nbytes // a.shape[0] * keep for a in cache_arrays(self))
 
     def save(self, keep: int, stream) -> dict:
         """Host copies of the first keep cache rows of every layer, for load()."""
-        out = {"k": [a[:keep].copy_to_host(stream=stream) for a in self.k],
-               "v": [a[:keep].copy_to_host(stream=stream) for a in self.v]}
+        out = {"rows": [a[:keep].copy_to_host(stream=stream) for a in cache_arrays(self)]}
         stream.synchronize()
         return out
 
     def load(self, saved: dict, keep: int, stream) -> None:
         """Take the first keep rows of a save() (copies queued on stream, before its kernels)."""
-        for a, h in zip(self.k + self.v, saved["k"] + saved["v"]):
+        for a, h in zip(cache_arrays(self), saved["rows"]):
             a[:keep].copy_to_device(np.ascontiguousarray(h[:keep]), stream=stream)
         self.pos = keep
 
@@ -366,7 +370,7 @@ class GpuDecoder:
             self.state = self.state_cls(self.c, max(max_context, self.max_context), self.kv_dtype)
             # the graph warm-up reads cache rows no token wrote: garbage there (NaN) would
             # send the router's ids out of range
-            for a in self.state.k + self.state.v:
+            for a in cache_arrays(self.state):
                 gm.zero(a.reshape(-1), self.cs)
             self.one = self.buffers_cls(self.c, 1, self.state.max_context)
             self.chunk = None
@@ -385,7 +389,7 @@ class GpuDecoder:
 
     def save_state(self, st, keep: int) -> dict:
         """As MoeDecoder.save_state: host copies of the state's first keep rows."""
-        return st.save(keep, self.cs) if keep else {"k": [], "v": []}
+        return st.save(keep, self.cs) if keep else {"rows": []}
 
     def restore_state(self, saved: dict, max_context: int, keep: int):
         """As MoeDecoder.restore_state, into the one preallocated state."""

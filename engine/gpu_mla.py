@@ -105,21 +105,8 @@ class MlaRunState(GpuRunState):
     def __init__(self, c, max_context: int, kv_dtype=np.float32):
         self.max_context = max_context
         self.k = [cuda.device_array((max_context, 1, c.head_dim), kv_dtype) for _ in range(c.n_layers)]
-        self.v = self.k
+        self.v = self.k      # saved, loaded and zeroed once: engine.gpu.cache_arrays
         self.pos = 0
-
-    def save_nbytes(self, keep: int) -> int:
-        return sum(a.nbytes // a.shape[0] * keep for a in self.k)
-
-    def save(self, keep: int, stream) -> dict:
-        out = {"k": [a[:keep].copy_to_host(stream=stream) for a in self.k], "v": []}
-        stream.synchronize()
-        return out
-
-    def load(self, saved: dict, keep: int, stream) -> None:
-        for a, h in zip(self.k, saved["k"]):
-            a[:keep].copy_to_device(np.ascontiguousarray(h[:keep]), stream=stream)
-        self.pos = keep
 
 
 class GpuMlaDecoder(GpuDecoder):

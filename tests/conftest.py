@@ -296,9 +296,10 @@ def check_device_sampling_equals_host(packed, prompt, resident: bool, n: int = 2
 def eager_decoder_matches_cpu(model, setup=None, cpu_setup=None, **load) -> None:
     """The cuda backend's eager decoder (the simulator has no CUDA graphs) against the CPU
     backend on model: a 2-token prefill (the T > 1 path: grouped experts) and a greedy decode
-    step (the T = 1 path the graphs capture), logits compared at each. setup(decoder) and
-    cpu_setup(cpu model) run first; load: engine.load keywords for both. Kept this small: the
-    simulator costs about 0.1 s per 64-thread block."""
+    step (the T = 1 path the graphs capture) from the prefill's state saved to the host, written
+    over by another prompt and restored (the prefix cache's path), logits compared at each.
+    setup(decoder) and cpu_setup(cpu model) run first; load: engine.load keywords for both.
+    Kept this small: the simulator costs about 0.1 s per 64-thread block."""
     import engine
     cpu = engine.load(model, device="cpu", **load).model
     dec = engine.load(model, device="cuda", **load).gpu
@@ -318,6 +319,11 @@ def eager_decoder_matches_cpu(model, setup=None, cpu_setup=None, **load) -> None
         assert int(np.argmax(lg[-1])) == tok, f"step {step}: greedy token differs"
         toks.append(tok)
         if step == 0:
+            # the prefix cache's round trip: a host copy, another prompt through the one
+            # preallocated state, the copy back
+            saved = dec.save_state(sg, sg.pos)
+            dec.forward(np.array([5, 9]), dec.new_state(8))
+            sg = dec.restore_state(saved, 8, len(ids))
             lc = np.asarray(cpu.forward(np.array([tok]), sc))
             lg = dec.forward(np.array([tok]), sg)
     print(f"logits rel err {max(errs):.2e}, tokens {toks}", flush=True)
