@@ -91,21 +91,27 @@ _GPT_OSS = {
     "expert_down_bias": "model.layers.{l}.mlp.experts.{e}.down_proj.bias",
 }
 
+_MIXTRAL = {
+    **_LLAMA_LIKE,
+    "router": "model.layers.{l}.block_sparse_moe.gate.weight",
+    "expert_gate": "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight",
+    "expert_up": "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
+    "expert_down": "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
+}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
     "olmoe": _LLAMA_LIKE,
-    "mixtral": {
-        **_LLAMA_LIKE,
-        "router": "model.layers.{l}.block_sparse_moe.gate.weight",
-        "expert_gate": "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight",
-        "expert_up": "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
-        "expert_down": "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
-    },
+    "mixtral": _MIXTRAL,
+    # MiniMax-M2: Mixtral's names and a selection bias beside the router
+    "minimax_m2": {**_MIXTRAL,
+                   "router_bias": "model.layers.{l}.block_sparse_moe.e_score_correction_bias"},
     "glm4_moe": _SIGMOID_MOE,
     "dots1": _SIGMOID_MOE,
     "deepseek_v3": _DEEPSEEK_V3,
     "deepseek_v2": _DEEPSEEK_V3,
+    "glm4_moe_lite": _DEEPSEEK_V3,
     "qwen3_next": _HYBRID,
     "gpt_oss": _GPT_OSS,
     "qwen3_5_moe_text": _HYBRID,

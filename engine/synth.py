@@ -94,6 +94,32 @@ PRESETS = {
                                               "type": "yarn"},
         "tie_word_embeddings": False, "eos_token_id": 100001, "bos_token_id": 100000,
     },
+    # GLM-4.7-Flash's config.json (MLA with DeepSeek-V3's sigmoid routing; a 16 GB NVFP4 arena);
+    # byte-level tokenizer
+    "glm-4.7-flash": {
+        "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
+        "vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
+        "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
+        "num_key_value_heads": 20, "n_shared_experts": 1, "n_routed_experts": 64,
+        "routed_scaling_factor": 1.8, "kv_lora_rank": 512, "q_lora_rank": 768,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256, "n_group": 1,
+        "topk_group": 1, "num_experts_per_tok": 4, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "topk_method": "noaux_tc", "partial_rotary_factor": 1.0,
+        "rope_theta": 1000000, "max_position_embeddings": 202752, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "eos_token_id": [154820, 154827, 154829],
+    },
+    # MiniMax-M2's config.json (230B-A10B: a 126 GB NVFP4 arena; --layers 24 makes 49 GB);
+    # byte-level tokenizer
+    "minimax-m2": {
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 200064,
+        "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
+        "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64,
+        "num_local_experts": 256, "num_experts_per_tok": 8, "use_qk_norm": True,
+        "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True,
+        "shared_intermediate_size": 0, "rope_theta": 5000000, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 196608, "tie_word_embeddings": False,
+        "eos_token_id": 200020, "bos_token_id": 200034,
+    },
 }
 
 DISTINCT_BLOCKS = 16  # random blocks generated, then cycled: speed does not depend on the values

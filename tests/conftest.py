@@ -79,6 +79,19 @@ def hf_config(family: str, **over):
         kw.pop("head_dim")
         kw.pop("num_key_value_heads")
         cls = tf.DeepseekV2Config
+    elif family == "glm4_moe_lite":
+        # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE, dense / routed layers by mlp_layer_types
+        kw.update(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, num_hidden_layers=3,
+                  kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                  v_head_dim=20)
+        kw.pop("head_dim")
+        kw.pop("num_key_value_heads")
+        cls = tf.Glm4MoeLiteConfig
+    elif family == "minimax_m2":
+        # q/k norms over all heads, 8 of 16 dims rotating, sigmoid routing with a bias
+        kw.update(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8)
+        cls = tf.MiniMaxM2Config
     elif family == "gpt_oss":
         # a window of 3 within the tests' 12-token sequences; a small limit so the clamps bite
         kw.update(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
@@ -122,7 +135,8 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
            "olmoe": tf.OlmoeForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
            "qwen2_moe": tf.Qwen2MoeForCausalLM, "dots1": tf.Dots1ForCausalLM,
            "gpt_oss": tf.GptOssForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM,
-           "deepseek_v2": tf.DeepseekV2ForCausalLM}[family]
+           "deepseek_v2": tf.DeepseekV2ForCausalLM, "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
+           "minimax_m2": tf.MiniMaxM2ForCausalLM}[family]
     model = cls(cfg)
     widen_init(model)
     with torch.no_grad():   # a buffer, not a parameter: a selection bias that matters

@@ -3,7 +3,8 @@ routing with a selection bias, ungated shared experts, partial RoPE with per-hea
 q/k/v biases, a first dense layer), dots1 (the same MoE beside Qwen3's attention), qwen2_moe
 (a sigmoid-gated shared expert, q/k/v biases) and gpt_oss (attention sinks, sliding and full
 layers, q/k/v/o biases, a biased router, biased experts with a clamped SwiGLU, YaRN),
-deepseek_v3 / deepseek_v2 (multi-head latent attention: engine/gpu_mla.py).
+deepseek_v3 / deepseek_v2 / glm4_moe_lite (multi-head latent attention: engine/gpu_mla.py),
+minimax_m2 (q/k norms over all heads, partial RoPE, sigmoid routing over all experts).
 - CPU-only CI: test_simulator_decoder() runs this file as a script in a subprocess with
   NUMBA_ENABLE_CUDASIM=1: the eager decoder against the CPU backend on a tiny model.
 - A GPU (marker gpu): cuda = cpu = transformers, graph replay = eager, streamed under tiny
@@ -67,8 +68,19 @@ SIM_CASES = {
                                 q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                 v_head_dim=6, topk_method="group_limited_greedy", n_group=4,
                                 topk_group=2),
+    # GLM-4.7-Flash: MLA with V3's MoE, a routed layer before a dense one (mlp_layer_types)
+    "glm4_moe_lite": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
+                          moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
+                          num_hidden_layers=2, n_routed_experts=4, n_shared_experts=1,
+                          mlp_layer_types=["sparse", "dense"], routed_scaling_factor=1.8,
+                          kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                          v_head_dim=8),
+    # MiniMax-M2: q/k norms over all heads, 4 of 8 dims rotating, sigmoid routing with a bias
+    # over all experts
+    "minimax_m2": dict(TINY, head_dim=8, num_local_experts=4, rotary_dim=4),
 }
-DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder"}
+DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
+            "glm4_moe_lite": "GpuMlaDecoder"}
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))
@@ -103,6 +115,10 @@ def test_simulator_decoder(tmp_path, family):
     ("deepseek_v2", dict(routed_scaling_factor=2.0, attention_bias=True)),
     ("deepseek_v2", dict(n_routed_experts=16, num_experts_per_tok=3, topk_method="group_limited_greedy",
                          n_group=4, topk_group=2, routed_scaling_factor=16.0)),
+    ("glm4_moe_lite", dict(num_attention_heads=20, mlp_layer_types=["dense", "sparse", "sparse"])),
+    ("minimax_m2", {}),
+    ("minimax_m2", dict(hidden_size=64, num_local_experts=16, num_experts_per_tok=4, head_dim=32,
+                        rotary_dim=16)),
 ])
 def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     import torch
@@ -122,14 +138,15 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
-@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "minimax_m2"])
 def test_graph_replay_and_streaming(tmp_path, family, resident):
     """Graph replay = eager = the CPU backend, resident (one graph a token, the router's slot
     path) or streamed (per-layer segments, the shared expert's own, the host resolve)."""
     from engine.pack import pack
     over = {"glm4_moe": dict(n_routed_experts=16, n_group=4, topk_group=2),
             "deepseek_v3": dict(n_routed_experts=16, n_group=4, topk_group=2),
-            "gpt_oss": dict(num_local_experts=16)}.get(family, dict(num_experts=16))
+            "gpt_oss": dict(num_local_experts=16),
+            "minimax_m2": dict(num_local_experts=16)}.get(family, dict(num_experts=16))
     build_hf_model(tmp_path / "src", family, num_experts_per_tok=4, num_hidden_layers=3,
                    hidden_size=64, **over)
     pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)

@@ -17,8 +17,10 @@ from conftest import build_hf_model, check_against, copy_config
 from loader.checkpoint import Checkpoint, CheckpointError
 from loader.quant import dequant_fp8_blocks
 
-# the projections Qwen's FP8 releases quantize; router, norms, embedding and head stay bf16
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the projections Qwen's and MiniMax's FP8 releases quantize (MiniMax's experts: w1 / w2 / w3);
+# router, norms, embedding and head stay bf16
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+             "w1", "w2", "w3")
 
 
 def quantize_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +113,15 @@ def test_fp8_checkpoint_matches_transformers(fp8_model):
     ck = Checkpoint(fp8_model)
     assert ck.fp8 and not any(n.endswith("_scale_inv") for n in ck.tensors)
     check_against(fp8_reference(fp8_model), engine.load(fp8_model, device="cpu"))
+
+
+def test_minimax_m2_fp8_release_matches_transformers(tmp_path):
+    """MiniMax-M2's release layout: Mixtral-named experts (w1 / w2 / w3) in 128-blocks of FP8."""
+    build_hf_model(tmp_path / "f32", "minimax_m2", hidden_size=128, intermediate_size=256,
+                   head_dim=32, num_key_value_heads=4)
+    write_fp8(tmp_path / "f32", tmp_path / "fp8", block=(128, 128))
+    assert Checkpoint(tmp_path / "fp8").fp8
+    check_against(fp8_reference(tmp_path / "fp8"), engine.load(tmp_path / "fp8", device="cpu"))
 
 
 def test_fp8_checkpoint_packed_matches_transformers(fp8_model, tmp_path):

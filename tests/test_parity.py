@@ -43,6 +43,13 @@ CASES = [
     ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
                          num_experts_per_tok=3, routed_scaling_factor=2.0, q_lora_rank=20,
                          n_shared_experts=2, first_k_dense_replace=0)),
+    ("glm4_moe_lite", {}),
+    ("glm4_moe_lite", dict(mlp_layer_types=["sparse", "dense", "sparse"], n_group=4, topk_group=2,
+                           num_experts_per_tok=3, routed_scaling_factor=2.5, q_lora_rank=None,
+                           n_shared_experts=2, num_attention_heads=6)),
+    ("minimax_m2", {}),
+    ("minimax_m2", dict(num_key_value_heads=1, num_experts_per_tok=4, rotary_dim=16,
+                        tie_word_embeddings=True)),
     ("olmoe", {}),
     ("olmoe", dict(norm_topk_prob=True, clip_qkv=0.5, num_key_value_heads=4)),
     ("gpt_oss", {}),
@@ -107,3 +114,57 @@ def test_glm4_config_refusals(tmp_path):
         family_of({**cfg, "num_experts_per_tok": 6})
     with pytest.raises(ConfigError, match="n_group=64; at most 32"):
         family_of({**cfg, "n_routed_experts": 128, "n_group": 64, "topk_group": 4})
+
+
+# config.json fields as the released folders write them (older than transformers' own config
+# classes): the engine and transformers must read them alike
+RELEASED = {
+    # MiniMax-M2: rotary_dim and rope_theta at the top, the remote code's switches
+    "minimax_m2": dict(rotary_dim=4, rope_theta=5e6, use_qk_norm=True, qk_norm_type="per_layer",
+                       scoring_func="sigmoid", use_routing_bias=True, shared_intermediate_size=0,
+                       attn_type_list=[1, 1], use_mtp=True, num_mtp_modules=3, sliding_window=None),
+    # GLM-4.7-Flash: first_k_dense_replace and no mlp_layer_types, one MTP layer
+    "glm4_moe_lite": dict(first_k_dense_replace=1, partial_rotary_factor=1.0, topk_method="noaux_tc",
+                          num_nextn_predict_layers=1, rope_theta=1e6),
+}
+
+
+@pytest.mark.parametrize("family", sorted(RELEASED))
+def test_released_config_fields(tmp_path, family):
+    import json
+    build_hf_model(tmp_path, family)
+    p = tmp_path / "config.json"
+    cfg = json.loads(p.read_text())
+    for k in ("rope_parameters", "mlp_layer_types"):
+        cfg.pop(k, None)
+    p.write_text(json.dumps({**cfg, **RELEASED[family]}))
+    ref = hf_reference(tmp_path)
+    ids = ids_for()
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), want) < 1e-4
+
+
+def test_minimax_m2_and_glm4_lite_refusals():
+    from engine.models import family_of
+    from engine.models.rope import ConfigError
+    mm = dict(model_type="minimax_m2", vocab_size=300, hidden_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+              num_local_experts=8, num_experts_per_tok=2, rotary_dim=8)
+    assert family_of(mm).config.rope.rotary_dim == 8
+    for bad, match in ((dict(attn_type_list=[0, 1]), "attn_type_list"),
+                       (dict(qk_norm_type="per_head"), "qk_norm_type 'per_head'"),
+                       (dict(scoring_func="softmax"), "scoring_func 'softmax'"),
+                       (dict(shared_intermediate_size=64), "shared_intermediate_size")):
+        with pytest.raises(ConfigError, match=match):
+            family_of({**mm, **bad})
+    lite = dict(model_type="glm4_moe_lite", vocab_size=300, hidden_size=48, num_hidden_layers=3,
+                num_attention_heads=4, intermediate_size=64, moe_intermediate_size=32,
+                n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24,
+                qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=20)
+    assert family_of(lite).config.moe_layers == (1, 2)
+    assert family_of({**lite, "mlp_layer_types": ["sparse", "dense", "sparse"]}).config.moe_layers == (0, 2)
+    for bad, match in ((dict(mlp_layer_types=["dense", "sparse"]), "mlp_layer_types"),
+                       (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5")):
+        with pytest.raises(ConfigError, match=match):
+            family_of({**lite, **bad})

@@ -20,7 +20,8 @@ def test_presets_parse(preset):
                                                cfg["num_experts_per_tok"])
 
 
-@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v2-lite"])
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v2-lite",
+                                    "glm-4.7-flash", "minimax-m2"])
 def test_tiny_preset_packs_and_generates(tmp_path, monkeypatch, preset):
     import engine
     tiny = dict(S.PRESETS[preset], vocab_size=300, hidden_size=64, intermediate_size=64,
@@ -29,10 +30,16 @@ def test_tiny_preset_packs_and_generates(tmp_path, monkeypatch, preset):
                  "gpt-oss-20b": {"num_local_experts": 8},
                  "deepseek-v2-lite": {"moe_intermediate_size": 32, "n_routed_experts": 8,
                                       "kv_lora_rank": 32, "qk_rope_head_dim": 8,
-                                      "qk_nope_head_dim": 16, "v_head_dim": 16}}[preset])
+                                      "qk_nope_head_dim": 16, "v_head_dim": 16},
+                 "glm-4.7-flash": {"moe_intermediate_size": 32, "n_routed_experts": 8,
+                                   "kv_lora_rank": 32, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+                                   "qk_nope_head_dim": 16, "v_head_dim": 24},
+                 "minimax-m2": {"intermediate_size": 32, "num_local_experts": 8,
+                                "rotary_dim": 8}}[preset])
     monkeypatch.setitem(S.PRESETS, preset, tiny)
     man = S.synth(preset, tmp_path / "m", "nvfp4", layers=2, progress=False)
-    assert len(man["blocks"]) == (1 if preset.startswith("deepseek") else 2) * 8   # (a dense layer 0)
+    dense_first = preset.startswith(("deepseek", "glm"))
+    assert len(man["blocks"]) == (1 if dense_first else 2) * 8   # (a dense layer 0)
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and len(cfg.get("layer_types", [0, 0])) == 2
     m = engine.load(tmp_path / "m", device="cpu")
