@@ -33,7 +33,7 @@ from starlette.routing import Route
 from engine.runtime import GenerationParams
 from engine.tokenizer import StreamDecoder, TemplateError
 from engine.harmony import uses_harmony
-from engine.toolcalls import param_types, reply_parser, split_reply, template_writes_calls
+from engine.toolcalls import call_format, param_types, reply_parser, split_reply
 
 RETRY_AFTER_S = 1                   # the Retry-After of a 503 (queue full)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -126,9 +126,9 @@ class GenRequest:
     stop: tuple                 # stop strings, matched on the decoded text
     stream: bool
     include_usage: bool
-    reply: str = "text"         # chat replies: "text" as it is, "tool_calls" (<tool_call> blocks ->
-                                # message.tool_calls) or "harmony" (gpt-oss's channels; "harmony-text"
-                                # where no tool calls are allowed), engine/toolcalls.py
+    reply: str = "text"         # chat replies: "text" as it is, "tool_calls" / "minimax" (call blocks
+                                # -> message.tool_calls) or "harmony" (gpt-oss's channels;
+                                # "harmony-text" where no tool calls are allowed), engine/toolcalls.py
     tool_types: dict = field(default_factory=dict)   # param_types() of the request's tools
     thinking: bool = False      # the prompt ends inside <think>: the reply starts as reasoning
 
@@ -270,7 +270,7 @@ def parse_chat(body: dict, model: ServedModel, tokenizer) -> GenRequest:
     params = _sampling(body, model, len(ids), None)
     calls = bool(tools) and choice != "none"
     reply = (("harmony" if calls else "harmony-text") if uses_harmony(tokenizer) else
-             "tool_calls" if calls and template_writes_calls(tokenizer.chat_template.source) else "text")
+             (calls and call_format(tokenizer.chat_template.source)) or "text")
     return GenRequest("chat", ids, params, stop, stream, include_usage, reply,
                       param_types(tools) if calls else {}, text.rstrip().endswith("<think>"))
 

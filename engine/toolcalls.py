@@ -3,9 +3,12 @@
 The chat templates of Qwen2.5, Qwen3 and Qwen3-Next (the Hermes style) ask the model to write
 each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call> in its reply; Qwen3.5's and
 Qwen3-Coder's as <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function>
-</tool_call>. When a request gives tools and the model's template writes that tag, the server
-turns each such block into a tool call; the text around the blocks stays the message's content.
-A block that parses as neither, or that the reply leaves open, stays text. Reasoning
+</tool_call>; GLM-4.5 / 4.6 / 4.7's as <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE
+</arg_value>...</tool_call>; MiniMax-M2's as <minimax:tool_call><invoke name="NAME"><parameter
+name="KEY">VALUE</parameter>...</invoke>...</minimax:tool_call> (several calls a block). When a
+request gives tools and the model's template writes one of these tags (call_format), the server
+turns each such block into tool calls; the text around the blocks stays the message's content.
+A block that parses as none of them, or that the reply leaves open, stays text. Reasoning
 (<think>...</think>, which may mention the tag) passes through untouched.
 """
 from __future__ import annotations
@@ -15,16 +18,29 @@ import re
 import uuid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# reply format -> (open, close) tags of its call blocks
+TAGS = {"tool_calls": (OPEN, CLOSE), "minimax": ("<minimax:tool_call>", "</minimax:tool_call>")}
 THINK, UNTHINK = "<think>", "</think>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 # a value ends at its </parameter>, or (a model that left the tag out) at the next parameter or
 # the end of the function's body
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|\Z)",
                         re.S)
+# GLM: the name, then key / value pairs
+_GLM_NAME = re.compile(r"[^\s<>{}]+")
+_GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+# MiniMax-M2: invokes, each with its parameters
+_INVOKE = re.compile(r'\s*<invoke name="([^"\n]+)">(.*?)</invoke>', re.S)
+_MM_PARAM = re.compile(r'\s*<parameter name="([^"\n]+)">\n?(.*?)\n?</parameter>', re.S)
 
 
-def template_writes_calls(chat_template: str | None) -> bool:
-    return bool(chat_template) and OPEN in chat_template
+def call_format(chat_template: str | None) -> str | None:
+    """The reply format ("tool_calls" or "minimax", TAGS) whose call blocks the chat template
+    writes, or None where it writes none of them."""
+    for kind in ("minimax", "tool_calls"):   # MiniMax's tag holds no <tool_call>: order is free
+        if chat_template and TAGS[kind][0] in chat_template:
+            return kind
+    return None
 
 
 def _schema_types(schema) -> set:
@@ -62,40 +78,52 @@ def _strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+def _typed(types: dict, name: str, key: str, value: str):
+    """A value written as text: the text, or JSON where that parses and its schema declares
+    types none of which is string (a zip code "12345" stays text where a string is allowed;
+    undeclared parameters stay text)."""
+    if "string" not in (types.get(name, {}).get(key) or {"string"}):
+        try:
+            return _strict_json(value)
+        except ValueError:
+            pass
+    return value
+
+
 def _xml_call(body: str, types: dict) -> tuple[str, dict] | None:
-    """<function=NAME><parameter=K>V</parameter>...</function> -> (NAME, {K: V}); a value is
-    the text, or JSON where that parses and its schema declares types none of which is string
-    (a zip code "12345" stays text where a string is allowed; undeclared parameters stay text)."""
+    """<function=NAME><parameter=K>V</parameter>...</function> -> (NAME, {K: V})."""
     m = _FUNCTION.fullmatch(body)
     if m is None:
         return None
-    name, args = m.group(1).strip(), {}
-    for key, value in _PARAMETER.findall(m.group(2)):
-        key = key.strip()
-        allowed = types.get(name, {}).get(key) or {"string"}
-        if "string" not in allowed:
-            try:
-                value = _strict_json(value)
-            except ValueError:
-                pass
-        args[key] = value
-    return name, args
+    name = m.group(1).strip()
+    return name, {k.strip(): _typed(types, name, k.strip(), v) for k, v in _PARAMETER.findall(m.group(2))}
 
 
-def parse_call(body: str, types: dict | None = None) -> dict | None:
-    """One block -> an OpenAI tool call (arguments the text of a JSON object), or None where
-    the block is not a call: the client parses arguments as an object, so NaN / Infinity,
-    null or a bare string there leave the block as text. types: the request's param_types()."""
-    try:
-        obj = _strict_json(body)
-    except ValueError:
-        xml = _xml_call(body, types or {})
-        if xml is None:
+def _pairs(pattern: re.Pattern, text: str) -> list | None:
+    """Every match of pattern in text, back to back up to trailing white space, or None."""
+    out, at = [], 0
+    for m in pattern.finditer(text):
+        if m.start() != at:
             return None
-        obj = {"name": xml[0], "arguments": xml[1]}
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        out.append(m.groups())
+        at = m.end()
+    return out if text[at:].strip() == "" else None
+
+
+def _glm_call(body: str, types: dict) -> tuple[str, dict] | None:
+    """NAME<arg_key>K</arg_key><arg_value>V</arg_value>... -> (NAME, {K: V}); a name alone
+    is a call only to a tool the request gave."""
+    i = body.find("<arg_key>")
+    name = (body if i < 0 else body[:i]).strip()
+    pairs = [] if i < 0 else _pairs(_GLM_ARG, body[i:])
+    if not _GLM_NAME.fullmatch(name) or pairs is None or (i < 0 and name not in types):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    return name, {k.strip(): _typed(types, name, k.strip(), v) for k, v in pairs}
+
+
+def _as_call(name: str, args) -> dict | None:
+    """An OpenAI tool call (arguments the text of a JSON object), or None: the client parses
+    arguments as an object, so NaN / Infinity, null or a bare string there are no call."""
     if isinstance(args, str):
         try:
             args = _strict_json(args)
@@ -108,7 +136,38 @@ def parse_call(body: str, types: dict | None = None) -> dict | None:
     except ValueError:   # an XML value of 1e999: Infinity, not JSON
         return None
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": obj["name"], "arguments": text}}
+            "function": {"name": name, "arguments": text}}
+
+
+def parse_call(body: str, types: dict | None = None) -> dict | None:
+    """One <tool_call> block (JSON, Qwen's XML or GLM's keys and values) -> an OpenAI tool
+    call, or None where the block is not a call. types: the request's param_types()."""
+    types = types or {}
+    try:
+        obj = _strict_json(body)
+    except ValueError:
+        xml = _xml_call(body, types) or _glm_call(body, types)
+        return None if xml is None else _as_call(*xml)
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return _as_call(obj["name"], obj.get("arguments", obj.get("parameters", {})))
+
+
+def parse_invokes(body: str, types: dict | None = None) -> list[dict] | None:
+    """One <minimax:tool_call> block -> its calls, or None where any invoke is not one."""
+    types = types or {}
+    invokes = _pairs(_INVOKE, body)
+    if not invokes:
+        return None
+    calls = []
+    for name, inner in invokes:
+        params = _pairs(_MM_PARAM, inner)
+        call = None if params is None else \
+            _as_call(name.strip(), {k.strip(): _typed(types, name.strip(), k.strip(), v) for k, v in params})
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
 
 
 def _held(text: str, tags) -> int:
@@ -124,9 +183,11 @@ class ToolCallParser:
     """Reply text in pieces -> events in order: ("text", str) and ("call", tool call dict).
     thinking: the reply starts inside <think> (the prompt ended with it)."""
 
-    def __init__(self, types: dict | None = None, thinking: bool = False):
+    def __init__(self, types: dict | None = None, thinking: bool = False, kind: str = "tool_calls"):
         self.buf, self.inside, self.calls = "", False, 0
         self.types, self.thinking = types or {}, thinking
+        self.kind = kind
+        self.open, self.close = TAGS[kind]
         self.begun = thinking   # past the reply's start: a later <think> is just text
 
     def push(self, piece: str) -> list[tuple[str, object]]:
@@ -147,14 +208,14 @@ class ToolCallParser:
                 text(self.buf[:j + len(UNTHINK)])
                 self.buf, self.thinking = self.buf[j + len(UNTHINK):], False
             elif not self.inside:
-                i = self.buf.find(OPEN)
+                i = self.buf.find(self.open)
                 k = -1 if self.begun else self.buf.find(THINK)
                 if k >= 0 and self.buf[:k].strip() == "" and (i < 0 or k < i):
                     text(self.buf[:k + len(THINK)])
                     self.buf, self.thinking, self.begun = self.buf[k + len(THINK):], True, True
                     continue
                 if i < 0:
-                    tags = (OPEN,) if self.begun else (OPEN, THINK)
+                    tags = (self.open,) if self.begun else (self.open, THINK)
                     cut = len(self.buf) - _held(self.buf, tags)
                     if not self.begun and self.buf[:cut].strip():
                         self.begun = True   # text first: no <think> can open reasoning now
@@ -163,34 +224,39 @@ class ToolCallParser:
                     self.buf = self.buf[cut:]
                     return out
                 text(self.buf[:i])
-                self.buf, self.inside, self.begun = self.buf[i + len(OPEN):], True, True
+                self.buf, self.inside, self.begun = self.buf[i + len(self.open):], True, True
             else:
-                j = self.buf.find(CLOSE)
+                j = self.buf.find(self.close)
                 if j < 0:
                     return out
-                body, self.buf, self.inside = self.buf[:j], self.buf[j + len(CLOSE):], False
-                call = parse_call(body.strip(), self.types)
-                if call is None:
-                    out.append(("text", OPEN + body + CLOSE))
+                body, self.buf, self.inside = self.buf[:j], self.buf[j + len(self.close):], False
+                if self.kind == "minimax":
+                    calls = parse_invokes(body, self.types)
                 else:
+                    call = parse_call(body.strip(), self.types)
+                    calls = None if call is None else [call]
+                if calls is None:
+                    out.append(("text", self.open + body + self.close))
+                for call in calls or ():
                     self.calls += 1
                     out.append(("call", call))
 
     def flush(self) -> list[tuple[str, object]]:
         """What is held when the reply ends: an open block goes out as text."""
-        text = (OPEN if self.inside else "") + self.buf
+        text = (self.open if self.inside else "") + self.buf
         self.buf, self.inside = "", False
         return [("text", text)] if text else []
 
 
 def reply_parser(kind: str, types: dict | None = None, thinking: bool = False):
-    """The parser of a reply format: "tool_calls" (the blocks above; types: param_types(),
-    thinking: the reply starts inside <think>) or "harmony" / "harmony-text" (gpt-oss's channels,
-    engine/harmony.py). Both turn text pieces into ("text" | "reasoning" | "call") events."""
+    """The parser of a reply format: "tool_calls" or "minimax" (the blocks above, TAGS; types:
+    param_types(), thinking: the reply starts inside <think>) or "harmony" / "harmony-text"
+    (gpt-oss's channels, engine/harmony.py). Both turn text pieces into ("text" | "reasoning" |
+    "call") events."""
     if kind in ("harmony", "harmony-text"):   # -text: the request allows no tool calls
         from engine.harmony import HarmonyParser
         return HarmonyParser(calls=kind == "harmony")
-    return ToolCallParser(types, thinking)
+    return ToolCallParser(types, thinking, kind)
 
 
 def split_reply(text: str, kind: str = "tool_calls", types: dict | None = None,

@@ -13,7 +13,7 @@ import pytest
 import engine
 from engine.runtime import Engine, GenerationParams
 from engine.serve import create_app
-from engine.toolcalls import ToolCallParser, param_types, parse_call, split_reply
+from engine.toolcalls import ToolCallParser, call_format, param_types, parse_call, split_reply
 from test_serve import CONFIG, HELLO, NAME, ServerThread, build_random_qwen3_moe
 
 CALL = {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "C"}}
@@ -30,8 +30,8 @@ TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def events_of(text: str, cuts) -> list:
-    p = ToolCallParser()
+def events_of(text: str, cuts, types=None, kind="tool_calls") -> list:
+    p = ToolCallParser(types, kind=kind)
     out, last = [], 0
     for c in list(cuts) + [len(text)]:
         out += p.push(text[last:c])
@@ -92,6 +92,64 @@ def test_qwen35_xml_calls_and_reasoning():
     inside = "still thinking <tool_call>{\"name\": \"f\"}</tool_call></think>done"
     assert split_reply(inside, thinking=True) == (inside, "", [])
     assert split_reply(inside)[2][0]["function"]["name"] == "f"
+
+
+WEATHER_TYPES = param_types([{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "zip": {"type": "string"}}}}},
+                              {"type": "function", "function": {"name": "get_time"}}])
+WANT = [("get_weather", {"city": "Zürich", "days": 3, "zip": "8001"}), ("get_time", {})]
+
+
+def calls_at_any_cut(reply: str, kind: str) -> str:
+    """The calls of reply, the same wherever the text is cut; returns the text around them."""
+    texts = set()
+    for cut in range(1, len(reply)):
+        ev = events_of(reply, [cut], WEATHER_TYPES, kind)
+        assert [(v["function"]["name"], json.loads(v["function"]["arguments"]))
+                for k, v in ev if k == "call"] == WANT, cut
+        texts.add("".join(v for k, v in ev if k == "text"))
+    assert len(texts) == 1
+    return texts.pop()
+
+
+@pytest.mark.parametrize("sep", ["\n", ""])
+def test_glm_calls(sep):
+    """GLM-4.5 / 4.6's blocks (a line each) and GLM-4.7's (none): the name, then key / value
+    pairs typed by the schema; a name alone is a call to a tool the request gave."""
+    reply = (f"Sure.<tool_call>get_weather{sep}<arg_key>city</arg_key>{sep}<arg_value>Zürich"
+             f"</arg_value>{sep}<arg_key>days</arg_key>{sep}<arg_value>3</arg_value>{sep}"
+             f"<arg_key>zip</arg_key>{sep}<arg_value>8001</arg_value>{sep}</tool_call>{sep}"
+             f"<tool_call>get_time{sep}</tool_call>")
+    assert calls_at_any_cut(reply, "tool_calls") == "Sure." + sep
+
+
+@pytest.mark.parametrize("body", [
+    "lookup",                                                        # a name no tool has
+    "get_weather <arg_key>city</arg_key>",                           # a key without its value
+    "get_weather<arg_key>a</arg_key><arg_value>1</arg_value>junk",   # text after the pairs
+    "get weather<arg_key>a</arg_key><arg_value>1</arg_value>",       # not a name
+])
+def test_what_is_no_glm_call(body):
+    assert parse_call(body, WEATHER_TYPES) is None
+
+
+def test_minimax_calls():
+    """MiniMax-M2's <minimax:tool_call> block, several invokes in one, values typed by the
+    schema; a <tool_call> tag is text there, and a block with a malformed invoke stays text."""
+    reply = ('Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+             'Zürich</parameter>\n<parameter name="days">3</parameter>\n<parameter name="zip">'
+             '8001</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n'
+             '</minimax:tool_call>')
+    assert calls_at_any_cut(reply, "minimax") == "Sure.\n"
+    for bad in ('<minimax:tool_call><invoke name="f"><parameter name="a">1</invoke>'
+                '</minimax:tool_call>',
+                '<minimax:tool_call>text</minimax:tool_call>',
+                '<tool_call>{"name": "f", "arguments": {}}</tool_call>'):
+        assert events_of(bad, [5], WEATHER_TYPES, "minimax") == [("text", bad)]
+    assert call_format("... <minimax:tool_call> ...") == "minimax"
+    assert call_format("... <tool_call> ...") == "tool_calls"
+    assert call_format("no calls") is None and call_format(None) is None
 
 
 def test_odd_schemas_and_values():
