@@ -80,6 +80,7 @@ def pick_prefill_chunk(c, max_context: int, vram_bytes: float, share: float = 0.
 
 class Buffers:
     """Activations for up to T tokens (float32 unless said)."""
+    separate_v = True   # v, the attention output and the fused q | k | v (MLA has none of them)
 
     def __init__(self, c, t: int, s_max: int):
         f = np.float32
@@ -88,9 +89,10 @@ class Buffers:
         self.h = cuda.device_array((t, c.hidden), f)             # normed input [T, H]
         self.q = cuda.device_array((t, c.q_dim), f)              # [T, Hq*D]
         self.k = cuda.device_array((t, c.kv_dim), f)
-        self.v = cuda.device_array((t, c.kv_dim), f)
-        self.att = cuda.device_array((t, c.q_dim), f)
-        self.qkv = cuda.device_array(c.q_dim + 2 * c.kv_dim, f)   # one decode token's q | k | v
+        if self.separate_v:
+            self.v = cuda.device_array((t, c.kv_dim), f)
+            self.att = cuda.device_array((t, c.q_dim), f)
+            self.qkv = cuda.device_array(c.q_dim + 2 * c.kv_dim, f)   # one decode token's q | k | v
         self.o = cuda.device_array((t, c.hidden), f)
         self.rl = cuda.device_array((t, c.n_experts), f)         # router logits [T, E]
         self.ids = cuda.device_array((t, c.top_k), np.int32)     # [T, K]

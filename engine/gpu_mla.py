@@ -65,9 +65,11 @@ def dense_keys(c) -> list:
 
 
 def _extra_floats(c, t: int) -> int:
-    """Float32 values of MlaBuffers beside the base Buffers, for t tokens."""
+    """Float32 values of MlaBuffers beside the base Buffers, for t tokens (less v and the
+    attention output, which MLA does without: at V3's shapes the latter is 128 x 576 floats a
+    token)."""
     qd = c.n_heads * (c.qk_nope_dim + c.qk_rope_dim)
-    return t * (c.q_lora_rank + qd + c.n_heads * (c.kv_lora_rank + c.v_head_dim))
+    return t * (c.q_lora_rank + qd + c.n_heads * (c.kv_lora_rank + c.v_head_dim) - c.q_dim - c.kv_dim)
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
@@ -88,6 +90,7 @@ def state_bytes(c, max_context: int, kv_itemsize: int = 4) -> int:
 class MlaBuffers(Buffers):
     """Buffers, with q the latent query [T, Hq D] and k the kv_a output [T, D], plus the MLA
     activations (float32)."""
+    separate_v = False
 
     def __init__(self, c, t: int, s_max: int):
         super().__init__(c, t, s_max)
