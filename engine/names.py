@@ -118,6 +118,7 @@ NAMES: dict[str, dict[str, str]] = {
     # the image-text wrapper (Qwen3_5MoeForConditionalGeneration): its language model, under
     # model.language_model.
     "qwen3_5_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _HYBRID.items()},
+    "qwen3_vl_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _LLAMA_LIKE.items()},
 }
 
 

@@ -151,7 +151,8 @@ class Checkpoint:
         self._find_fp8(declared)
         self._find_int()
         self.fused: dict[str, str] = {}   # per-expert view name -> the fused tensor it lies in
-        # per-expert copy name -> (the fused tensor, expert, column start of a stride-2 half or None)
+        # per-expert copy name -> (the fused tensor, expert, the slice of its last axis (gate or
+        # up) or None, MXFP4 scales or None): copied out transposed
         self.derived: dict[str, tuple] = {}
         if self.config.get("model_type") in TRANSPOSED_FUSED:
             self._split_transposed_experts()
@@ -235,12 +236,12 @@ class Checkpoint:
     def mxfp4_parts(self, name: str) -> tuple | None:
         """A gpt-oss expert matrix stored in MXFP4, as stored: (blocks uint8 [N, K / 32, 16],
         E8M0 scales uint8 [N, K / 32]), NaN scales refused; None for any other tensor."""
-        src, e, col, sc = self.derived.get(name, (None, None, None, None))
+        src, e, sl, sc = self.derived.get(name, (None, None, None, None))
         if sc is None:
             return None
         a, s = self._stored(src)[e], self._stored(sc)[e]
-        if col is not None:
-            a, s = a[col::2], s[col::2]
+        if sl is not None:   # its rows: stored [N, K] already
+            a, s = a[sl], s[sl]
         if np.any(s == 0xFF):
             raise CheckpointError(f"{sc.file}: {sc.name}: NaN E8M0 scale(s) (0xFF) in expert {e}")
         return np.ascontiguousarray(a), np.ascontiguousarray(s)
@@ -515,10 +516,22 @@ class Checkpoint:
 
     _FUSED = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
 
+    def _expert_dims(self) -> tuple[int, int] | None:
+        """(hidden, moe intermediate) from config.json (an image-text wrapper's text_config),
+        or None where it does not say."""
+        cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) \
+            else self.config
+        h, i = cfg.get("hidden_size"), cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
+        return (int(h), int(i)) if h and i else None
+
     def _split_fused_experts(self) -> None:
         """Checkpoints that store a layer's experts fused (gate_up_proj [E, 2I, H], gate rows
         first; down_proj [E, H, I]) get per-expert views under the per-expert names: contiguous
-        byte ranges of the fused tensor, so nothing is copied and packing reads them as usual."""
+        byte ranges of the fused tensor, so nothing is copied and packing reads them as usual.
+        Stored transposed (gate_up_proj [E, H, 2I], gate the first columns; down_proj [E, I, H]:
+        Qwen3-VL-MoE's releases), as transformers tells them apart (by shape, the untransposed
+        reading where both fit), each expert's matrices are copied out on read."""
+        dims = self._expert_dims()
         for name, t in list(self.tensors.items()):
             m = self._FUSED.match(name)
             if m is None or len(t.shape) != 3:
@@ -526,6 +539,12 @@ class Checkpoint:
             e_n, rows, cols = t.shape
             item = t.nbytes // (e_n * rows * cols)
             per_expert = rows * cols * item
+            if dims is not None and t.dtype in FLOAT_DTYPES:
+                h, i = dims
+                want = (2 * i, h) if m["kind"] == "gate_up_proj" else (h, i)
+                if (rows, cols) != want and (cols, rows) == want:
+                    self._transposed_views(name, t, m["p"], m["kind"], i)
+                    continue
             if m["kind"] == "gate_up_proj":
                 if rows % 2:
                     raise CheckpointError(f"{t.file}: fused tensor {name} has {rows} rows per expert; "
@@ -542,6 +561,19 @@ class Checkpoint:
                                                     t.start + e * per_expert + r0 * cols * item,
                                                     nr * cols * item)
                     self.fused[view] = name
+
+    def _transposed_views(self, name: str, t, prefix: str, kind: str, i: int) -> None:
+        """Per-expert copies of a transposed fused tensor (_split_fused_experts)."""
+        parts = ((("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))) if kind == "gate_up_proj"
+                 else (("down_proj", None),))
+        item = np.dtype(DTYPES[t.dtype]).itemsize
+        for e in range(t.shape[0]):
+            for proj, sl in parts:
+                view = f"{prefix}.{e}.{proj}.weight"
+                shape = (i if sl is not None else t.shape[2], t.shape[1])
+                self.tensors[view] = TensorInfo(view, t.file, t.dtype, shape, t.start,
+                                                int(np.prod(shape)) * item)
+                self.derived[view] = (t, e, sl, None)
 
     _FUSED_T = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)"
                           r"(?P<suffix>_bias|_blocks)?$")
@@ -581,19 +613,19 @@ class Checkpoint:
                 if n % 2:
                     raise CheckpointError(f"{t.file}: fused tensor {name} interleaves gate and up "
                                           f"in {n} rows / columns; expected an even count")
-                parts = (("gate_proj", 0, n // 2), ("up_proj", 1, n // 2))
+                parts = (("gate_proj", slice(0, None, 2), n // 2), ("up_proj", slice(1, None, 2), n // 2))
             else:
                 parts = (("down_proj", None, n),)
             bias = m["suffix"] == "_bias"
             dtype = "BF16" if sc is not None else t.dtype
             item = np.dtype(DTYPES[dtype]).itemsize
             for e in range(t.shape[0]):
-                for proj, col, rows in parts:
+                for proj, sl, rows in parts:
                     view = f"{m['p']}.{e}.{proj}.{'bias' if bias else 'weight'}"
                     shape = (rows,) if bias else (rows, cols)
                     self.tensors[view] = TensorInfo(view, t.file, dtype, shape, t.start,
                                                     int(np.prod(shape)) * item)
-                    self.derived[view] = (t, e, col, sc)
+                    self.derived[view] = (t, e, sl, sc)
 
     # ---- tensors ------------------------------------------------------------------------------
 
@@ -629,13 +661,13 @@ class Checkpoint:
         NVFP4 weight dequantized to bf16 bits, or a transposed expert's copy (a new array)."""
         t = self.info(name)
         if name in self.derived:
-            src, e, col, sc = self.derived[name]
+            src, e, sl, sc = self.derived[name]
             a = self._stored(src)[e]
             if sc is not None:   # MXFP4, [N, K] already: its rows, dequantized
                 from loader.quant import dequant_mxfp4, f32_to_bf16
                 return f32_to_bf16(dequant_mxfp4(*self.mxfp4_parts(name)))
-            if col is not None:
-                a = a[..., col::2]
+            if sl is not None:
+                a = a[..., sl]
             return np.ascontiguousarray(a.T)
         if name in self.fp8 or name in self.nvfp4 or name in self.intq:
             from loader.quant import f32_to_bf16

@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from engine.models import (deepseek_v2, deepseek_v3, dots1, glm4_moe, glm4_moe_lite, gpt_oss, minimax_m2, mixtral,
-                           olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next)
+                           olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl_moe)
 from engine.models.rope import ConfigError
 
 FAMILIES = {
     "qwen3_moe": qwen3_moe,
+    "qwen3_vl_moe": qwen3_vl_moe,        # the image-text wrapper: its language model
     "qwen2_moe": qwen2_moe,
     "mixtral": mixtral,
     "olmoe": olmoe,

@@ -1,0 +1,39 @@
+"""Qwen3-VL-MoE (Qwen3-VL-30B-A3B, Qwen3-VL-235B-A22B, Instruct and Thinking): Qwen3-MoE's
+language model (per-head q/k RMSNorm, top-k weights always renormalized) inside an image-text
+wrapper (Qwen3VLMoeForConditionalGeneration: its fields under text_config, its tensors under
+model.language_model.). The engine runs the language model on text and leaves the vision tower
+(model.visual.*) unread. Text positions are equal on mRoPE's three axes, so its rotation is
+plain RoPE. The releases store each layer's experts fused and transposed (loader/checkpoint.py
+reads them per expert)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.models.base import dense_spec, expert_spec  # noqa: F401
+from engine.models.base import MoeDecoder
+from engine.models.qwen3_moe import Qwen3MoeConfig
+from engine.models.rope import ConfigError
+
+VISION = ("model.visual.", "the vision tower")
+
+
+@dataclass(frozen=True)
+class Qwen3VLMoeConfig(Qwen3MoeConfig):
+    ignored_parts: tuple = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Qwen3VLMoeConfig":
+        if not isinstance(cfg.get("text_config"), dict):
+            raise ConfigError("config.json: qwen3_vl_moe without text_config; expected the image-text "
+                              "wrapper's config (Qwen3VLMoeForConditionalGeneration)")
+        text = {**cfg["text_config"], "model_type": "qwen3_vl_moe"}
+        if cfg.get("tie_word_embeddings") is not None:   # the wrapper ties lm_head: its flag rules
+            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        if text.get("eos_token_id") is None:
+            text["eos_token_id"] = cfg.get("eos_token_id")
+        c = Qwen3MoeConfig.from_hf(text)
+        return cls(**{**c.__dict__, "norm_topk_prob": True, "raw": cfg}, ignored_parts=(VISION,))
+
+
+Model = MoeDecoder
+Config = Qwen3VLMoeConfig
