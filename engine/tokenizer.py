@@ -130,4 +130,7 @@ def load_tokenizer(model_dir: Path, tokenizer_json: Path) -> Tokenizer:
     elif isinstance(tcfg.get("chat_template"), list):  # named templates: take "default"
         named = {t.get("name"): t.get("template") for t in tcfg["chat_template"]}
         tpl = named.get("default")
+    elif (model_dir / "chat_template.json").is_file():   # an image-text model's processor template
+        tpl = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
+        tpl = tpl if isinstance(tpl, str) else None
     return Tokenizer(tokenizer_json, tcfg, tpl)

@@ -119,3 +119,21 @@ def test_ctrl_c_stops_the_reply_not_the_chat(model_dir, capsys):
         def readline(self, *a):
             raise KeyboardInterrupt
     assert main(["--model", str(model_dir), "--device", "cpu"], stdin=CtrlC()) == 0
+
+
+def test_template_sources_in_order(tmp_path):
+    """chat_template.jinja, then tokenizer_config.json's chat_template, then an image-text
+    model's chat_template.json (Qwen-VL releases): the first that is there is the template."""
+    import json
+
+    from engine.tokenizer import load_tokenizer
+    d = build_random_model(tmp_path / "m", CONFIG)
+    tok = d / "tokenizer.json"
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": "json:{{ messages[0].content }}"}))
+    hi = [{"role": "user", "content": "hi"}]
+    assert load_tokenizer(d, tok).apply_chat_template(hi) == "json:hi"
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "cfg:{{ 1 }}"}))
+    assert load_tokenizer(d, tok).apply_chat_template(hi) == "cfg:1"
+    (d / "chat_template.jinja").write_text("jinja")
+    assert load_tokenizer(d, tok).apply_chat_template(hi) == "jinja"
