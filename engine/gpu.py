@@ -23,6 +23,7 @@ import numpy as np
 from numba import cuda
 
 from engine.models.base import check_room, resumable
+from engine.models.rope import pair_rows
 from kernels_numba import gpu_attention as ga
 from kernels_numba import gpu_deltanet as gdn
 from kernels_numba import gpu_dense as gd
@@ -285,13 +286,13 @@ class GpuDecoder:
     def _host_array(self, key: str, layer: int | None) -> np.ndarray:
         """The host array behind a device weight (q | k | v fused, 1-D bf16 widened)."""
         if key == "qkv":
-            a = np.concatenate([np.asarray(self._weight(x, layer)) for x in _QKV])
+            a = np.concatenate([np.asarray(pair_rows(self.c, x, self._weight(x, layer))) for x in _QKV])
         elif key == "expert_bias":   # gpt-oss: [E, 2I + H] (gate | up | down), rows by expert id
             a = np.stack([np.concatenate([_widened(self._weight(k, layer, e))
                                           for k in EXPERT_BIASES])
                           for e in range(self.c.n_experts)])
         else:
-            a = _widened(self._weight(key, layer))
+            a = _widened(pair_rows(self.c, key, self._weight(key, layer)))
         return np.ascontiguousarray(a)
 
     def upload_all(self, keys) -> None:
@@ -1042,6 +1043,9 @@ class GpuDecoder:
         if c.routing == "sigmoid":
             gs.router_sigmoid_topk(rl, self.w("router_bias", l), c.n_group, c.topk_group,
                                    c.norm_topk_prob, c.routed_scale, ids, w, self.cs, slots=slots)
+        elif c.routing == "softmax_bias":   # ERNIE-4.5 (its bias [1, E])
+            gs.router_sigmoid_topk(rl, self.w("router_bias", l).reshape(c.n_experts), 1, 1,
+                                   c.norm_topk_prob, 1.0, ids, w, self.cs, slots=slots, softmax=True)
         else:
             gs.router_topk(rl, c.norm_topk_prob, ids, w, self.cs, slots=slots)
 

@@ -119,6 +119,9 @@ NAMES: dict[str, dict[str, str]] = {
     # model.language_model.
     "qwen3_5_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _HYBRID.items()},
     "qwen3_vl_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _LLAMA_LIKE.items()},
+    # ERNIE-4.5: the shared experts' names of DeepSeek-V3, its selection bias under moe_statics
+    "ernie4_5_moe": {**_SIGMOID_MOE,
+                     "router_bias": "model.layers.{l}.mlp.moe_statics.e_score_correction_bias"},
 }
 
 

@@ -204,7 +204,7 @@ def _dense_keys(c):
     if c.qk_norm != "none":
         per += ["q_norm", "k_norm"]
     per += ["sinks"] if oss else []
-    moe = ["router"] + (["router_bias"] if c.routing == "sigmoid" or oss else []) + \
+    moe = ["router"] + (["router_bias"] if c.routing in ("sigmoid", "softmax_bias") or oss else []) + \
         (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else []) + \
         (["shared_expert_gate"] if c.shared_intermediate and c.shared_gated else [])
     for l in range(c.n_layers):
@@ -247,7 +247,7 @@ def cuda_status() -> tuple[bool, str]:
 
 GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1", "qwen3_next",
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
-                "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe")
+                "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe")
 
 
 def pick_device(device: str, family: str) -> str:

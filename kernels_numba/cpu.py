@@ -176,6 +176,21 @@ def attention_gqa(q, kc, vc, q_pos, scale, window, sinks, out):
 
 
 @njit(cache=True, nogil=True)
+def _softmax_row(x, out):
+    """out [E] = softmax(x [E]) in float32, the max subtracted first."""
+    m = x[0]
+    for j in range(x.shape[0]):
+        if x[j] > m:
+            m = x[j]
+    tot = np.float32(0.0)
+    for j in range(x.shape[0]):
+        out[j] = math.exp(x[j] - m)
+        tot += out[j]
+    for j in range(x.shape[0]):
+        out[j] /= tot
+
+
+@njit(cache=True, nogil=True)
 def router_topk(logits, k, norm, ids, weights):
     """logits [T, E] f32 -> ids int32 [T, K], weights f32 [T, K].
 
@@ -184,17 +199,8 @@ def router_topk(logits, k, norm, ids, weights):
     """
     t, e = logits.shape
     for ti in range(t):
-        m = logits[ti, 0]
-        for j in range(e):
-            if logits[ti, j] > m:
-                m = logits[ti, j]
         p = np.empty(e, dtype=np.float32)
-        tot = np.float32(0.0)
-        for j in range(e):
-            p[j] = math.exp(logits[ti, j] - m)
-            tot += p[j]
-        for j in range(e):
-            p[j] /= tot
+        _softmax_row(logits[ti], p)
         taken = np.zeros(e, dtype=np.bool_)
         s = np.float32(0.0)
         for kk in range(k):
@@ -212,18 +218,24 @@ def router_topk(logits, k, norm, ids, weights):
 
 
 @njit(cache=True, nogil=True)
-def router_sigmoid_topk(logits, bias, k, n_group, topk_group, norm, scale, ids, weights):
+def router_sigmoid_topk(logits, bias, k, n_group, topk_group, norm, scale, ids, weights,
+                        softmax=False):
     """logits [T, E] f32, bias [E] f32 -> ids int32 [T, K], weights f32 [T, K]: sigmoid scores,
     chosen on score + bias within the topk_group best of n_group groups (a group's worth: its
     two best choice scores summed), the k largest (lower index first on ties); weights the
-    scores, renormalized (sum + 1e-20) when norm, times scale. reference.router_sigmoid_topk."""
+    scores, renormalized (sum + 1e-20) when norm, times scale. reference.router_sigmoid_topk.
+    softmax: softmax scores (ERNIE-4.5, one group: reference.router_softmax_bias_topk)."""
     t, e = logits.shape
     per = e // n_group
     for ti in range(t):
         sc = np.empty(e, dtype=np.float32)
         ch = np.empty(e, dtype=np.float32)
+        if softmax:
+            _softmax_row(logits[ti], sc)
+        else:
+            for j in range(e):
+                sc[j] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-logits[ti, j])))
         for j in range(e):
-            sc[j] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-logits[ti, j])))
             ch[j] = sc[j] + bias[j]
         allowed = np.ones(e, dtype=np.bool_)
         if topk_group < n_group:
@@ -703,13 +715,13 @@ class CpuOps:
         return ids, w
 
     def router_sigmoid(self, logits: np.ndarray, bias: np.ndarray, k: int, n_group: int,
-                       topk_group: int, norm: bool, scale: float):
+                       topk_group: int, norm: bool, scale: float, softmax: bool = False):
         t = logits.shape[0]
         ids = np.empty((t, k), dtype=np.int32)
         w = np.empty((t, k), dtype=np.float32)
         router_sigmoid_topk(np.ascontiguousarray(logits, dtype=np.float32),
-                            np.ascontiguousarray(bias, dtype=np.float32), k, n_group, topk_group,
-                            norm, scale, ids, w)
+                            np.ascontiguousarray(bias, dtype=np.float32).reshape(-1), k, n_group,
+                            topk_group, norm, scale, ids, w, softmax)
         return ids, w
 
     def expert(self, x: np.ndarray, weights) -> np.ndarray:

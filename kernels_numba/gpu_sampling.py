@@ -238,15 +238,16 @@ def router_topk(logits, norm_topk_prob, ids, weights, stream, slots=None, varian
     kern[t, WARP, stream](logits, norm, ids, weights, slot_of, out)
 
 
-def _make_router_sigmoid(SLOTS, SOFTMAX=False):
+def _make_router_sigmoid(SLOTS, SOFTMAX=False, BIAS=True):
     @cuda.jit(device=True, inline=True)
     def body(logits, bias, n_group, topk_group, norm, scale, ids, weights, slot_of, slots):
         """grid T, 32 threads. Choice keys (sigmoid + bias) in shared memory; lanes < n_group
         score their group (its two best keys), lane 0 keeps the topk_group best groups, the
         rest are knocked out; then K rounds of lane scan + warp argmax as the softmax base
         kernel, each pick weighted by its sigmoid score. SLOTS: slots[t, k] = slot_of[ids].
-        SOFTMAX (DeepSeek-V2's group_limited_greedy): the scores and keys are the softmax
-        probabilities (no bias), a group scores its best one."""
+        SOFTMAX (DeepSeek-V2's group_limited_greedy, ERNIE-4.5's routing): the scores are the
+        softmax probabilities, the keys they (plus the bias where BIAS: ERNIE), a group scores
+        its best key."""
         key = cuda.shared.array(ROUTER_MAX_E, float32)
         sig = cuda.shared.array(ROUTER_MAX_E, float32)
         gsum = cuda.shared.array(WARP, float32)
@@ -268,12 +269,12 @@ def _make_router_sigmoid(SLOTS, SOFTMAX=False):
             for e in range(lane, E, WARP):
                 v = math.exp(logits[t, e] - m) / z
                 sig[e] = v
-                key[e] = v
+                key[e] = v + bias[e] if BIAS else v
         else:
             for e in range(lane, E, WARP):
                 v = float32(1.0) / (float32(1.0) + math.exp(-logits[t, e]))
                 sig[e] = v
-                key[e] = v + bias[e]
+                key[e] = v + bias[e] if BIAS else v
         cuda.syncthreads()
         if topk_group < n_group:
             per = E // n_group
@@ -339,18 +340,23 @@ def _make_router_sigmoid(SLOTS, SOFTMAX=False):
     return router_sigmoid
 
 
-_ROUTER_GROUPED = {(slots, sm): _make_router_sigmoid(slots, sm) for slots in (False, True)
-                   for sm in (False, True)}
+# (slot table, softmax scores, selection bias) -> kernel; sigmoid scores always take a bias
+_ROUTER_GROUPED = {(slots, sm, b): _make_router_sigmoid(slots, sm, b) for slots in (False, True)
+                   for sm, b in ((False, True), (True, False), (True, True))}
 
 
 def router_sigmoid_topk(logits, bias, n_group, topk_group, norm_topk_prob, scale, ids, weights,
                         stream, slots=None, softmax=False):
     """DeepSeek-V3 / GLM-4.5 routing (reference.router_sigmoid_topk): logits float32 [T, E],
     bias float32 [E] -> ids int32 [T, K], weights float32 [T, K]; slots as router_topk.
-    softmax: DeepSeek-V2's group-limited softmax instead (reference.router_group_softmax_topk;
-    bias None)."""
+    softmax: softmax scores instead: DeepSeek-V2's group-limited softmax with bias None
+    (reference.router_group_softmax_topk), ERNIE-4.5's routing with a bias and one group
+    (reference.router_softmax_bias_topk)."""
     t, e = logits.shape
-    if softmax:
+    variant = (bool(softmax), bias is not None)
+    if bias is None:
+        if not softmax:
+            raise ValueError("router_sigmoid_topk: sigmoid routing needs its selection bias")
         bias = logits[0]   # (unread)
     k = ids.shape[1]
     if e > ROUTER_MAX_E or n_group > WARP or e % n_group or not 1 <= topk_group <= n_group:
@@ -364,13 +370,13 @@ def router_sigmoid_topk(logits, bias, n_group, topk_group, norm_topk_prob, scale
     args = (logits, bias, int32(n_group), int32(topk_group), int32(1 if norm_topk_prob else 0),
             float32(scale), ids, weights)
     if slots is None:
-        _ROUTER_GROUPED[False, bool(softmax)][t, WARP, stream](*args)
+        _ROUTER_GROUPED[(False,) + variant][t, WARP, stream](*args)
         return
     slot_of, out = slots
     if slot_of.shape != (e,) or out.shape != ids.shape:
         raise ValueError(f"router_sigmoid_topk slots: table {slot_of.shape} for {e} experts, "
                          f"out {out.shape} for ids {ids.shape}")
-    _ROUTER_GROUPED[True, bool(softmax)][t, WARP, stream](*args, slot_of, out)
+    _ROUTER_GROUPED[(True,) + variant][t, WARP, stream](*args, slot_of, out)
 
 
 @pdl_kernel

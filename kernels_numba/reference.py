@@ -192,6 +192,21 @@ def router_sigmoid_topk(logits: np.ndarray, bias: np.ndarray, k: int, n_group: i
     return ids, (w * scale).astype(np.float32)
 
 
+def router_softmax_bias_topk(logits: np.ndarray, bias: np.ndarray, k: int,
+                             norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    """ERNIE-4.5's routing: p = softmax(logits); experts chosen on p + bias (larger first,
+    lower index first on ties); the weights are their p, renormalized (sum + 1e-20) when
+    norm_topk_prob -> (ids int32 [T, K], weights float32 [T, K])."""
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-(p + bias.astype(np.float64)), axis=-1, kind="stable")[:, :k].astype(np.int32)
+    w = np.take_along_axis(p, ids, axis=-1)
+    if norm_topk_prob:
+        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    return ids, w.astype(np.float32)
+
+
 def router_group_softmax_topk(logits: np.ndarray, k: int, n_group: int, topk_group: int,
                               scale: float) -> tuple[np.ndarray, np.ndarray]:
     """DeepSeek-V2's group_limited_greedy: p = softmax(logits); the topk_group of n_group equal

@@ -92,6 +92,13 @@ def hf_config(family: str, **over):
         # q/k norms over all heads, 8 of 16 dims rotating, sigmoid routing with a bias
         kw.update(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8)
         cls = tf.MiniMaxM2Config
+    elif family == "ernie4_5_moe":
+        # interleaved RoPE pairs, softmax routing chosen with a bias, shared experts, layer 0 dense
+        kw.update(intermediate_size=64, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
+                  moe_num_shared_experts=1, moe_layer_start_index=1, num_hidden_layers=3,
+                  tie_word_embeddings=False)
+        kw.pop("head_dim")
+        cls = tf.Ernie4_5_MoeConfig
     elif family == "gpt_oss":
         # a window of 3 within the tests' 12-token sequences; a small limit so the clamps bite
         kw.update(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
@@ -136,7 +143,7 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
            "qwen2_moe": tf.Qwen2MoeForCausalLM, "dots1": tf.Dots1ForCausalLM,
            "gpt_oss": tf.GptOssForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM,
            "deepseek_v2": tf.DeepseekV2ForCausalLM, "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
-           "minimax_m2": tf.MiniMaxM2ForCausalLM}[family]
+           "minimax_m2": tf.MiniMaxM2ForCausalLM, "ernie4_5_moe": tf.Ernie4_5_MoeForCausalLM}[family]
     model = cls(cfg)
     widen_init(model)
     with torch.no_grad():   # a buffer, not a parameter: a selection bias that matters

@@ -157,6 +157,22 @@ def test_router_sigmoid_topk(e, k, groups, top_groups, norm, scale):
         assert all(len(set(row // (e // groups))) <= top_groups for row in ids)
 
 
+@pytest.mark.parametrize("e,k,norm", [(8, 2, True), (64, 6, True), (12, 4, False)])
+def test_router_softmax_bias_topk(e, k, norm):
+    """ERNIE-4.5's routing (softmax scores chosen on score + bias): a bias the size of the
+    probabilities' spread, so it changes picks."""
+    logits = rng.standard_normal((7, e)).astype(np.float32) * 2
+    bias = (rng.standard_normal(e) * 0.1).astype(np.float32)
+    ids = np.full((7, k), -1, np.int32)
+    w = poisoned((7, k))
+    cpu.router_sigmoid_topk(logits, bias, k, 1, 1, norm, 1.0, ids, w, True)
+    rid, rw = ref.router_softmax_bias_topk(logits, bias, k, norm)
+    assert np.array_equal(ids, rid)
+    assert rel(w, rw) < 1e-5
+    plain, _ = ref.router_softmax_bias_topk(logits, np.zeros(e, np.float32), k, norm)
+    assert not np.array_equal(rid, plain)   # the bias moved some pick
+
+
 def test_expert_dense_weights():
     h, i = 40, 24
     x = rng.standard_normal((3, h)).astype(np.float32)

@@ -540,6 +540,18 @@ def check_router_sigmoid(rng, t, e, k, n_group, topk_group):
         assert np.array_equal(w2.copy_to_host(), w.copy_to_host()), what + ": weights (slots)"
         assert np.array_equal(sl.copy_to_host(), slot_of[ih]), what + ": slots"
         assert all(len(set(row // (e // n_group))) <= topk_group for row in ih), what + ": groups"
+    if n_group == 1:   # ERNIE-4.5: softmax scores chosen with the bias
+        for norm in (True, False):
+            what = f"router softmax+bias T={t} E={e} K={k} norm={norm}"
+            eids, ew = ref.router_softmax_bias_topk(logits, bias * 0.1, k, norm)
+            ids, w, sl = _nan((t, k), np.int32), _nan((t, k)), _nan((t, k), np.int32)
+            gs.router_sigmoid_topk(dl, cuda.to_device(bias * 0.1), 1, 1, norm, 1.0, ids, w, stream,
+                                   slots=(dso, sl), softmax=True)
+            stream.synchronize()
+            ih = ids.copy_to_host()
+            assert np.array_equal(ih, eids), f"{what}: ids {ih} != {eids}"
+            _close(w.copy_to_host(), ew, what=what + " weights")
+            assert np.array_equal(sl.copy_to_host(), slot_of[ih]), what + ": slots"
     with pytest.raises(ValueError, match="router_sigmoid_topk"):
         gs.router_sigmoid_topk(dl, db, n_group, topk_group, True, 1.0,
                                _nan((t, e + 1), np.int32), _nan((t, e + 1)), stream)
@@ -920,7 +932,7 @@ def test_router_topk_gpu(t, e, k):
                                                       (2, 256, 8, 8, 4), (1, 64, 6, 32, 3)])
 def test_router_sigmoid_gpu(t, e, k, n_group, topk_group):
     """GLM-4.5-Air's and GLM-4.5's routers (128, 160 experts), DeepSeek-V3's (256 in 8 groups,
-    4 kept), 32 groups of two."""
+    4 kept), 32 groups of two; one group: ERNIE-4.5's softmax scores chosen with a bias too."""
     check_router_sigmoid(np.random.default_rng(14), t, e, k, n_group, topk_group)
 
 

@@ -4,7 +4,8 @@ q/k/v biases, a first dense layer), dots1 (the same MoE beside Qwen3's attention
 (a sigmoid-gated shared expert, q/k/v biases) and gpt_oss (attention sinks, sliding and full
 layers, q/k/v/o biases, a biased router, biased experts with a clamped SwiGLU, YaRN),
 deepseek_v3 / deepseek_v2 / glm4_moe_lite (multi-head latent attention: engine/gpu_mla.py),
-minimax_m2 (q/k norms over all heads, partial RoPE, sigmoid routing over all experts).
+minimax_m2 (q/k norms over all heads, partial RoPE, sigmoid routing over all experts),
+ernie4_5_moe (interleaved RoPE pairs, softmax routing chosen with a bias).
 - CPU-only CI: test_simulator_decoder() runs this file as a script in a subprocess with
   NUMBA_ENABLE_CUDASIM=1: the eager decoder against the CPU backend on a tiny model.
 - A GPU (marker gpu): cuda = cpu = transformers, graph replay = eager, streamed under tiny
@@ -78,6 +79,10 @@ SIM_CASES = {
     # MiniMax-M2: q/k norms over all heads, 4 of 8 dims rotating, sigmoid routing with a bias
     # over all experts
     "minimax_m2": dict(TINY, head_dim=8, num_local_experts=4, rotary_dim=4),
+    # ERNIE-4.5: interleaved RoPE pairs (q / k rows reordered at upload), softmax routing chosen
+    # with a bias ([1, E]), a shared expert, layer 0 dense
+    "ernie4_5_moe": dict(TINY, moe_num_experts=4, moe_num_shared_experts=1, moe_layer_start_index=1,
+                         tie_word_embeddings=False),
 }
 DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "glm4_moe_lite": "GpuMlaDecoder"}
@@ -116,6 +121,9 @@ def test_simulator_decoder(tmp_path, family):
     ("deepseek_v2", dict(n_routed_experts=16, num_experts_per_tok=3, topk_method="group_limited_greedy",
                          n_group=4, topk_group=2, routed_scaling_factor=16.0)),
     ("glm4_moe_lite", dict(num_attention_heads=20, mlp_layer_types=["dense", "sparse", "sparse"])),
+    ("ernie4_5_moe", {}),
+    ("ernie4_5_moe", dict(moe_num_experts=16, moe_k=4, moe_layer_start_index=0, hidden_size=64,
+                          num_attention_heads=4, num_key_value_heads=1)),
     ("minimax_m2", {}),
     ("minimax_m2", dict(hidden_size=64, num_local_experts=16, num_experts_per_tok=4, head_dim=32,
                         rotary_dim=16)),

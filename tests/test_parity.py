@@ -50,6 +50,9 @@ CASES = [
     ("minimax_m2", {}),
     ("minimax_m2", dict(num_key_value_heads=1, num_experts_per_tok=4, rotary_dim=16,
                         tie_word_embeddings=True)),
+    ("ernie4_5_moe", {}),
+    ("ernie4_5_moe", dict(moe_num_shared_experts=0, moe_layer_start_index=0, moe_layer_interval=2,
+                          moe_k=3, num_key_value_heads=1, tie_word_embeddings=True)),
     ("olmoe", {}),
     ("olmoe", dict(norm_topk_prob=True, clip_qkv=0.5, num_key_value_heads=4)),
     ("gpt_oss", {}),
@@ -145,7 +148,7 @@ def test_released_config_fields(tmp_path, family):
     assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), want) < 1e-4
 
 
-def test_minimax_m2_and_glm4_lite_refusals():
+def test_minimax_m2_glm4_lite_and_ernie_configs():
     from engine.models import family_of
     from engine.models.rope import ConfigError
     mm = dict(model_type="minimax_m2", vocab_size=300, hidden_size=48, num_hidden_layers=2,
@@ -168,3 +171,12 @@ def test_minimax_m2_and_glm4_lite_refusals():
                        (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5")):
         with pytest.raises(ConfigError, match=match):
             family_of({**lite, **bad})
+    ernie = dict(model_type="ernie4_5_moe", vocab_size=300, hidden_size=48, num_hidden_layers=6,
+                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                 moe_intermediate_size=32, moe_num_experts=8, moe_k=2, moe_layer_start_index=1,
+                 moe_layer_end_index=4, moe_layer_interval=2, moe_num_shared_experts=2)
+    c = family_of(ernie).config
+    assert (c.moe_layers, c.tie_embeddings, c.shared_intermediate) == ((1, 3), True, 64)
+    for bad, match in ((dict(use_bias=True), "use_bias"), (dict(moe_norm_min=0.1), "moe_norm_min")):
+        with pytest.raises(ConfigError, match=match):
+            family_of({**ernie, **bad})

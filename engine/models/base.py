@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.models.rope import ConfigError, RopeConfig
+from engine.models.rope import ConfigError, RopeConfig, pair_rows
 from engine.names import expert_names, name
 
 
@@ -46,12 +46,14 @@ class MoeConfig:
     attention_bias: bool = False
     sliding_window: int = 0         # 0 = full causal attention
     moe_layers: tuple = ()          # indices of layers with routed experts
-    routing: str = "softmax"        # softmax | sigmoid (DeepSeek-V3 / GLM-4.5: sigmoid scores,
+    routing: str = "softmax"        # softmax | softmax_bias (ERNIE-4.5: softmax scores chosen with
+                                    #   a bias) | sigmoid (DeepSeek-V3 / GLM-4.5: sigmoid scores,
     n_group: int = 1                #   a selection bias, the best topk_group of n_group groups,
     topk_group: int = 1             #   weights times routed_scale)
     routed_scale: float = 1.0
     shared_intermediate: int = 0    # I of the shared expert(s) beside the routed ones (0 = none)
     shared_gated: bool = False      # its output times sigmoid(h . shared_expert_gate)
+    rope_pairs: bool = False        # rotary dims in interleaved pairs (q / k rows reordered: rope.pair_rows)
     eos_token_ids: tuple = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -206,6 +208,10 @@ class MoeDecoder:
         self.c, self.ops, self.w, self.experts = c, ops, weights, experts
         self.on_route = on_route
         self.inv_freq = c.rope.inv_freq()
+        # interleaved rotary pairs: q / k columns gathered into rotate-half order after their
+        # projections (rope.pair_rows on an index; no copy of the weights)
+        self.q_cols = pair_rows(c, "q", np.arange(c.q_dim)) if c.rope_pairs else None
+        self.k_cols = pair_rows(c, "k", np.arange(c.kv_dim)) if c.rope_pairs else None
 
     def new_state(self, max_context: int) -> RunState:
         return RunState(self.ops, self.c, max_context)
@@ -260,6 +266,8 @@ class MoeDecoder:
             ops.add_(q, w("q_bias", l))
             ops.add_(k, w("k_bias", l))
             ops.add_(v, w("v_bias", l))
+        if self.q_cols is not None:
+            q, k = np.ascontiguousarray(q[:, self.q_cols]), np.ascontiguousarray(k[:, self.k_cols])
         if c.qk_norm == "full":
             q, k = ops.rmsnorm(q, w("q_norm", l), c.rms_eps), ops.rmsnorm(k, w("k_norm", l), c.rms_eps)
         if c.clip_qkv:
@@ -312,6 +320,9 @@ class MoeDecoder:
         if c.routing == "sigmoid":
             return ops.router_sigmoid(logits, w("router_bias", l), c.top_k, c.n_group,
                                       c.topk_group, c.norm_topk_prob, c.routed_scale)
+        if c.routing == "softmax_bias":   # ERNIE-4.5: softmax scores chosen with a bias
+            return ops.router_sigmoid(logits, w("router_bias", l), c.top_k, 1, 1,
+                                      c.norm_topk_prob, 1.0, softmax=True)
         return ops.router(logits, c.top_k, c.norm_topk_prob)
 
     def routed_expert(self, l: int, e: int, x, we):

@@ -78,3 +78,18 @@ class RopeConfig:
             interp = (np.float32(1.0) / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
             return (interp * (1 - extra) + inv * extra).astype(np.float32)
         return inv
+
+
+def pair_rows(c, key: str, a):
+    """A q or k projection (weight [heads * D, H], bias or column index [heads * D]) of a model
+    whose rotary dims come in interleaved pairs (c.rope_pairs: (x0, x1), (x2, x3)...) with its
+    rows put in rotate-half order within each head (evens, then odds), so the rotate-half RoPE
+    gives the same q . k; anything else as it is. (q / k norms over all heads would need their
+    weights in the same order: no family has both.)"""
+    if not getattr(c, "rope_pairs", False) or key not in ("q", "k"):
+        return a
+    a = np.asarray(a)
+    r = c.rope.rotary_dim
+    head = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2), np.arange(r, c.head_dim)])
+    rows = (np.arange(a.shape[0] // c.head_dim)[:, None] * c.head_dim + head).ravel()
+    return np.ascontiguousarray(a[rows])
