@@ -19,6 +19,9 @@
 #   mla: DeepSeek-V2 / V3 on cuda (2026-12-05, not yet run): the MLA kernels at V2-Lite's and
 #      V3's shapes beside the deepseek families tests, then a V2-Lite-shaped synthetic arena
 #      streamed at --vram-gb 8 (engine.bench gpu-stream, RAM 8 and 32 GB)
+#   new: the twentieth session's families on cuda (not yet run): MiniMax-M2, GLM-4.7-Flash,
+#      Qwen3-VL-MoE, ERNIE-4.5 parity and graph replay, beside the kernels' router tests, then a
+#      GLM-4.7-Flash-shaped synthetic arena streamed at --vram-gb 8 (RAM 8 and 32 GB)
 # Both or all three of a group's processes run side by side: numba compiles on the CPU, so more
 # than two or three at once slow each other down (four side by side each ran past 250 s on
 # 2026-11-30; on 2026-12-01 b's two halves beside a third process each passed 331 s unfinished,
@@ -59,7 +62,13 @@ case "${1:-a}" in
              timeout 240 python3 -m engine.bench gpu-stream --model /tmp/dsl --vram-gb 8 \
                  --ram-gb 8 32 >> "$OUT/dsl_bench.log" 2>&1
          echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/dsl_bench.log" ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla" >&2; exit 2 ;;
+    new) run families tests/test_families_cuda.py -k "minimax or lite or ernie" &
+         run router tests/test_cuda_kernels.py -k router_sigmoid_gpu & wait
+         python3 -m engine.synth glm-4.7-flash /tmp/glm > "$OUT/glm_bench.log" 2>&1 &&
+             timeout 240 python3 -m engine.bench gpu-stream --model /tmp/glm --vram-gb 8 \
+                 --ram-gb 8 32 >> "$OUT/glm_bench.log" 2>&1
+         echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/glm_bench.log" ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
