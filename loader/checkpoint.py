@@ -543,7 +543,9 @@ class Checkpoint:
                 h, i = dims
                 want = (2 * i, h) if m["kind"] == "gate_up_proj" else (h, i)
                 if (rows, cols) != want and (cols, rows) == want:
-                    self._transposed_views(name, t, m["p"], m["kind"], i)
+                    self._add_copies(t, m["p"], (("gate_proj", slice(0, i), (i, h)),
+                                                 ("up_proj", slice(i, 2 * i), (i, h)))
+                                     if m["kind"] == "gate_up_proj" else (("down_proj", None, (h, i)),))
                     continue
             if m["kind"] == "gate_up_proj":
                 if rows % 2:
@@ -562,18 +564,19 @@ class Checkpoint:
                                                     nr * cols * item)
                     self.fused[view] = name
 
-    def _transposed_views(self, name: str, t, prefix: str, kind: str, i: int) -> None:
-        """Per-expert copies of a transposed fused tensor (_split_fused_experts)."""
-        parts = ((("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))) if kind == "gate_up_proj"
-                 else (("down_proj", None),))
-        item = np.dtype(DTYPES[t.dtype]).itemsize
+    def _add_copies(self, t, prefix: str, parts, dtype: str | None = None, sc=None,
+                    suffix: str = "weight") -> None:
+        """Per-expert views of the fused tensor t that get() copies out transposed: parts
+        (projection, the slice of t's last axis or None, the view's shape), each expert's under
+        `<prefix>.<expert>.<projection>.<suffix>`; sc: MXFP4 scales."""
+        dtype = dtype or t.dtype
+        item = np.dtype(DTYPES[dtype]).itemsize
         for e in range(t.shape[0]):
-            for proj, sl in parts:
-                view = f"{prefix}.{e}.{proj}.weight"
-                shape = (i if sl is not None else t.shape[2], t.shape[1])
-                self.tensors[view] = TensorInfo(view, t.file, t.dtype, shape, t.start,
+            for proj, sl, shape in parts:
+                view = f"{prefix}.{e}.{proj}.{suffix}"
+                self.tensors[view] = TensorInfo(view, t.file, dtype, shape, t.start,
                                                 int(np.prod(shape)) * item)
-                self.derived[view] = (t, e, sl, None)
+                self.derived[view] = (t, e, sl, sc)
 
     _FUSED_T = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)"
                           r"(?P<suffix>_bias|_blocks)?$")
@@ -617,15 +620,9 @@ class Checkpoint:
             else:
                 parts = (("down_proj", None, n),)
             bias = m["suffix"] == "_bias"
-            dtype = "BF16" if sc is not None else t.dtype
-            item = np.dtype(DTYPES[dtype]).itemsize
-            for e in range(t.shape[0]):
-                for proj, sl, rows in parts:
-                    view = f"{m['p']}.{e}.{proj}.{'bias' if bias else 'weight'}"
-                    shape = (rows,) if bias else (rows, cols)
-                    self.tensors[view] = TensorInfo(view, t.file, dtype, shape, t.start,
-                                                    int(np.prod(shape)) * item)
-                    self.derived[view] = (t, e, sl, sc)
+            self._add_copies(t, m["p"], [(proj, sl, (rows,) if bias else (rows, cols))
+                                         for proj, sl, rows in parts],
+                             "BF16" if sc is not None else None, sc, "bias" if bias else "weight")
 
     # ---- tensors ------------------------------------------------------------------------------
 
