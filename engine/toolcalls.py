@@ -90,13 +90,18 @@ def _typed(types: dict, name: str, key: str, value: str):
     return value
 
 
+def _args(types: dict, name: str, pairs) -> dict:
+    """The (key, value text) pairs of a call to name -> its arguments, each value _typed."""
+    return {k.strip(): _typed(types, name, k.strip(), v) for k, v in pairs}
+
+
 def _xml_call(body: str, types: dict) -> tuple[str, dict] | None:
     """<function=NAME><parameter=K>V</parameter>...</function> -> (NAME, {K: V})."""
     m = _FUNCTION.fullmatch(body)
     if m is None:
         return None
     name = m.group(1).strip()
-    return name, {k.strip(): _typed(types, name, k.strip(), v) for k, v in _PARAMETER.findall(m.group(2))}
+    return name, _args(types, name, _PARAMETER.findall(m.group(2)))
 
 
 def _pairs(pattern: re.Pattern, text: str) -> list | None:
@@ -118,7 +123,7 @@ def _glm_call(body: str, types: dict) -> tuple[str, dict] | None:
     pairs = [] if i < 0 else _pairs(_GLM_ARG, body[i:])
     if not _GLM_NAME.fullmatch(name) or pairs is None or (i < 0 and name not in types):
         return None
-    return name, {k.strip(): _typed(types, name, k.strip(), v) for k, v in pairs}
+    return name, _args(types, name, pairs)
 
 
 def _as_call(name: str, args) -> dict | None:
@@ -161,13 +166,21 @@ def parse_invokes(body: str, types: dict | None = None) -> list[dict] | None:
         return None
     calls = []
     for name, inner in invokes:
-        params = _pairs(_MM_PARAM, inner)
-        call = None if params is None else \
-            _as_call(name.strip(), {k.strip(): _typed(types, name.strip(), k.strip(), v) for k, v in params})
+        name, params = name.strip(), _pairs(_MM_PARAM, inner)
+        call = None if params is None else _as_call(name, _args(types, name, params))
         if call is None:
             return None
         calls.append(call)
     return calls
+
+
+def _tool_call_block(body: str, types: dict) -> list[dict] | None:
+    call = parse_call(body.strip(), types)
+    return None if call is None else [call]
+
+
+# reply format -> the parser of one of its blocks: its calls, or None (the block stays text)
+BLOCKS = {"tool_calls": _tool_call_block, "minimax": parse_invokes}
 
 
 def _held(text: str, tags) -> int:
@@ -186,8 +199,8 @@ class ToolCallParser:
     def __init__(self, types: dict | None = None, thinking: bool = False, kind: str = "tool_calls"):
         self.buf, self.inside, self.calls = "", False, 0
         self.types, self.thinking = types or {}, thinking
-        self.kind = kind
         self.open, self.close = TAGS[kind]
+        self.parse_block = BLOCKS[kind]
         self.begun = thinking   # past the reply's start: a later <think> is just text
 
     def push(self, piece: str) -> list[tuple[str, object]]:
@@ -230,11 +243,7 @@ class ToolCallParser:
                 if j < 0:
                     return out
                 body, self.buf, self.inside = self.buf[:j], self.buf[j + len(self.close):], False
-                if self.kind == "minimax":
-                    calls = parse_invokes(body, self.types)
-                else:
-                    call = parse_call(body.strip(), self.types)
-                    calls = None if call is None else [call]
+                calls = self.parse_block(body, self.types)
                 if calls is None:
                     out.append(("text", self.open + body + self.close))
                 for call in calls or ():
