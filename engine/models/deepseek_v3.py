@@ -21,7 +21,7 @@ import numpy as np
 from engine.models import base
 from engine.models.base import MoeConfig, MoeDecoder, RunState, expert_spec, need  # noqa: F401
 from engine.models.glm4_moe import sigmoid_moe, with_experts
-from engine.models.rope import ConfigError, RopeConfig
+from engine.models.rope import ConfigError, RopeConfig, rope_params
 from engine.names import name
 
 _ATTN = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
@@ -61,7 +61,7 @@ class DeepseekV3Config(MoeConfig):
         f["rope"] = RopeConfig.from_hf(dict(cfg, partial_rotary_factor=1.0), rope)
         f.update(n_kv_heads=1, head_dim=c_dim + rope)
         scale = (nope + rope) ** -0.5
-        params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        params = rope_params(cfg)
         m_all = params.get("mscale_all_dim")
         if params.get("rope_type", params.get("type", "default")) != "default" and m_all:
             factor = float(params["factor"])

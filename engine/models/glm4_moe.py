@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.models.base import MoeConfig, MoeDecoder, dense_spec, expert_spec, need  # noqa: F401
-from engine.models.rope import ConfigError
+from engine.models.rope import ConfigError, declared_partial
 
 
 def sigmoid_moe(cfg: dict, f: dict, first_dense: int, shared: int, norm: bool) -> dict:
@@ -53,8 +53,7 @@ class Glm4MoeConfig(MoeConfig):
     @classmethod
     def from_hf(cls, cfg: dict) -> "Glm4MoeConfig":
         cfg = with_experts(cfg)
-        if "partial_rotary_factor" not in cfg and \
-                "partial_rotary_factor" not in (cfg.get("rope_parameters") or {}):
+        if declared_partial(cfg) is None:
             cfg["partial_rotary_factor"] = 0.5            # the reference's default
         f = MoeConfig.common_hf(cfg)
         f.update(sigmoid_moe(cfg, f, first_dense=1, shared=1, norm=True))   # the reference's defaults

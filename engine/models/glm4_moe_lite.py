@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from engine.models.base import need
 from engine.models.deepseek_v3 import (DeepseekV3Config, DeepseekV3Decoder, dense_spec,  # noqa: F401
                                        expert_spec)
-from engine.models.rope import ConfigError
+from engine.models.rope import ConfigError, declared_partial
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,8 @@ class Glm4MoeLiteConfig(DeepseekV3Config):
         if len(types) != n or any(t not in ("dense", "sparse") for t in types):
             raise ConfigError(f"config.json: mlp_layer_types must list 'dense' or 'sparse' for each "
                               f"of the {n} layers; got {types!r}")
-        partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
-                                                         cfg.get("partial_rotary_factor", 1.0))
-        if float(partial) != 1.0:
+        partial = declared_partial(cfg)
+        if partial not in (None, 1.0):
             raise ConfigError(f"config.json: partial_rotary_factor {partial} is not supported for "
                               "glm4_moe_lite; expected 1.0 (qk_rope_head_dim dims all rotate)")
         cfg["first_k_dense_replace"] = 0

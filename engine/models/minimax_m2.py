@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.models.base import MoeConfig, MoeDecoder, dense_spec, expert_spec, need  # noqa: F401
-from engine.models.rope import ConfigError
+from engine.models.rope import ConfigError, declared_partial
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,7 @@ class MiniMaxM2Config(MoeConfig):
             raise ConfigError("config.json: attn_type_list holds linear-attention layers (0); "
                               "minimax_m2 supports full attention (1) only")
         rotary_dim = cfg.get("rotary_dim")
-        if rotary_dim is not None and "partial_rotary_factor" not in cfg and \
-                "partial_rotary_factor" not in (cfg.get("rope_parameters") or {}):
+        if rotary_dim is not None and declared_partial(cfg) is None:
             head_dim = int(cfg.get("head_dim") or int(need(cfg, "hidden_size")) //
                            int(need(cfg, "num_attention_heads")))
             cfg["partial_rotary_factor"] = int(rotary_dim) / head_dim

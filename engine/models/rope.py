@@ -11,6 +11,18 @@ class ConfigError(ValueError):
     """config.json is missing a field or holds a value the engine cannot run."""
 
 
+def rope_params(cfg: dict) -> dict:
+    """The rotary fields of config.json: newer configs nest everything in rope_parameters,
+    older ones use rope_theta + rope_scaling."""
+    return {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+
+
+def declared_partial(cfg: dict) -> float | None:
+    """config.json's partial_rotary_factor (nested or at the top), or None where it has none."""
+    got = rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    return None if got is None else float(got)
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
@@ -25,11 +37,11 @@ class RopeConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, head_dim: int) -> "RopeConfig":
-        # newer configs nest everything in rope_parameters; older ones use rope_theta + rope_scaling
-        params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        params = rope_params(cfg)
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         kind = params.get("rope_type", params.get("type", "default")) or "default"
-        partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        partial = declared_partial(cfg)
+        partial = 1.0 if partial is None else partial
         if kind not in ("default", "linear", "yarn"):
             raise ConfigError(f"config.json: rope type {kind!r} is not supported; "
                               "supported: default, linear, yarn")
