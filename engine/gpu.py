@@ -158,9 +158,10 @@ EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
 
 
 def _widened(a) -> np.ndarray:
-    """A weight as the device takes it: 1-D bf16 bits widened to float32, the rest as is."""
+    """A weight as the device takes it: bf16 vectors (1-D, or one row) widened to float32, the
+    rest as is."""
     a = np.asarray(a)
-    if a.ndim == 1 and a.dtype == np.uint16:
+    if a.dtype == np.uint16 and a.size == a.shape[-1]:
         a = (a.astype(np.uint32) << 16).view(np.float32)
     return a
 

@@ -635,9 +635,10 @@ class CpuOps:
     deltanet = DeltaNetOps()    # the hybrid families' ops (Gated DeltaNet, gated norms and outputs)
 
     def weight(self, a: np.ndarray) -> np.ndarray:
-        """A dense weight as the backend keeps it: float32, or bf16 bits for matrices."""
-        if a.dtype == np.uint16 and a.ndim == 1:
-            return bf16_to_f32_array(np.ascontiguousarray(a))
+        """A dense weight as the backend keeps it: float32, or bf16 bits for matrices. A vector
+        stored as one row ([1, N]: ERNIE-4.5's selection bias) is a vector."""
+        if a.dtype == np.uint16 and a.size == a.shape[-1]:
+            return bf16_to_f32_array(np.ascontiguousarray(a).reshape(-1)).reshape(a.shape)
         if a.dtype == np.uint16:
             return np.ascontiguousarray(a)
         return np.ascontiguousarray(a, dtype=np.float32)

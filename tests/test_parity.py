@@ -91,7 +91,8 @@ def test_sharded_checkpoint(tmp_path):
     assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), want) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "ernie4_5_moe", "minimax_m2",
+                                    "deepseek_v3"])
 def test_bf16_checkpoint(tmp_path, family):
     build_hf_model(tmp_path, family, dtype="bfloat16")
     ref = hf_reference(tmp_path)  # the same bf16 weights, upcast to float32

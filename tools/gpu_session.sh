@@ -68,7 +68,41 @@ case "${1:-a}" in
              timeout 240 python3 -m engine.bench gpu-stream --model /tmp/glm --vram-gb 8 \
                  --ram-gb 8 32 >> "$OUT/glm_bench.log" 2>&1
          echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/glm_bench.log" ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new" >&2; exit 2 ;;
+    s21) # every never-run family test, six processes, the synthetic arenas written beside them
+         # for the benches of the next call (bench)
+         { python3 -m engine.synth glm-4.7-flash /tmp/glm > "$OUT/synth.log" 2>&1
+           python3 -m engine.synth deepseek-v2-lite /tmp/dsl >> "$OUT/synth.log" 2>&1; } &
+         run fam1 tests/test_families_cuda.py -k "gpt_oss or minimax or ernie" &
+         run fam2 tests/test_families_cuda.py -k "deepseek or lite" &
+         run fam3 tests/test_families_cuda.py -k "glm4_moe and not lite or qwen2 or dots1" &
+         { run mla tests/test_mla_cuda.py; run kern tests/test_cuda_kernels.py -k "clamped or router"; } &
+         run attn tests/test_attention_decode.py -k sinks &
+         run engine tests/test_gpu_engine.py &
+         wait ;;
+    s21b) # s21's tests that did not finish (ERNIE and MiniMax again after their fixes), three
+         # processes, then the glm-4.7-flash bench in what is left of the call
+         run fam1 tests/test_families_cuda.py -k "ernie or minimax" &
+         run fam2 tests/test_families_cuda.py \
+             -k "test_graph_replay_and_streaming and (gpt_oss or deepseek) or lite or dots1" &
+         { run kern tests/test_cuda_kernels.py -k "clamped or router"
+           run fam3 tests/test_families_cuda.py \
+               -k "test_graph_replay_and_streaming and (glm4_moe or qwen2)"; } &
+         wait
+         if [ $SECONDS -lt 420 ]; then
+             { [ -d /tmp/glm ] || python3 -m engine.synth glm-4.7-flash /tmp/glm; } > "$OUT/glm_bench.log" 2>&1 &&
+                 timeout $((575 - SECONDS)) python3 -m engine.bench gpu-stream --model /tmp/glm \
+                     --vram-gb 8 --ram-gb 32 --tokens 64 --prompt-len 512 >> "$OUT/glm_bench.log" 2>&1
+             echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/glm_bench.log"
+         fi ;;
+    bench) # engine.bench gpu-stream on the MLA presets at --vram-gb 8 (arenas from s21 if there)
+         for m in glm:glm-4.7-flash dsl:deepseek-v2-lite; do
+             d=/tmp/${m%%:*}
+             [ -d $d ] || python3 -m engine.synth ${m#*:} $d > "$OUT/${m%%:*}_bench.log" 2>&1
+             timeout 250 python3 -m engine.bench gpu-stream --model $d --vram-gb 8 --ram-gb 8 32 \
+                 >> "$OUT/${m%%:*}_bench.log" 2>&1
+             echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/${m%%:*}_bench.log"
+         done ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|bench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
