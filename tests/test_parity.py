@@ -91,8 +91,9 @@ def test_sharded_checkpoint(tmp_path):
     assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), want) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "ernie4_5_moe", "minimax_m2",
-                                    "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "dots1",
+                                    "gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
+                                    "minimax_m2", "ernie4_5_moe"])
 def test_bf16_checkpoint(tmp_path, family):
     build_hf_model(tmp_path, family, dtype="bfloat16")
     ref = hf_reference(tmp_path)  # the same bf16 weights, upcast to float32
