@@ -91,6 +91,36 @@ def test_config_refused(field, value, says):
         family_of({**V3, field: value})
 
 
+# Kimi-K2-Instruct's config.json (the fields that differ from V3's): DeepSeek-V3's architecture
+K2 = dict(V3, model_type="kimi_k2", vocab_size=163840, num_attention_heads=64,
+          num_key_value_heads=64, n_routed_experts=384, routed_scaling_factor=2.827, n_group=1,
+          topk_group=1, first_k_dense_replace=1, rope_theta=50000.0, num_nextn_predict_layers=0,
+          rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                        "type": "yarn"}, bos_token_id=163584, eos_token_id=163585)
+
+
+def test_kimi_k2_is_deepseek_v3(tmp_path):
+    """model_type kimi_k2 runs as deepseek_v3: its released shapes, and a tiny model saved under
+    that name gives transformers' DeepSeek-V3 logits."""
+    import torch
+
+    from conftest import hf_reference, rel_err
+    c = family_of(K2).config
+    assert (c.family, c.n_experts, c.n_group, c.moe_layers[0], c.ignored_parts) == \
+        ("deepseek_v3", 384, 1, 1, ())
+    m = 0.1 * np.log(32) + 1
+    assert c.softmax_scale == pytest.approx(192 ** -0.5 * m * m)
+    build_hf_model(tmp_path, "deepseek_v3", dtype="bfloat16")
+    ref = hf_reference(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "kimi_k2"}))
+    ids = np.random.default_rng().integers(0, 300, 12)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), want) < 1e-4
+
+
 def test_state_bytes(tiny):
     m = engine.load(tiny, device="cpu")
     cfg = json.loads((tiny / "config.json").read_text())

@@ -32,6 +32,11 @@ FAMILIES = {
     "gpt_oss": gpt_oss,
 }
 
+# model types that are another family's architecture under their own name
+ALIASES = {
+    "kimi_k2": "deepseek_v3",            # Kimi-K2 / K2-Thinking: DeepseekV3ForCausalLM
+}
+
 
 class Family(NamedTuple):
     config: object
@@ -43,9 +48,12 @@ class Family(NamedTuple):
 def family_of(cfg: dict) -> Family:
     """The family of a config.json dict; refuses unknown model types by name."""
     mt = cfg.get("model_type")
+    if mt in ALIASES:
+        mt = ALIASES[mt]
+        cfg = dict(cfg, model_type=mt)
     if mt not in FAMILIES:
         raise ConfigError(f"config.json: model_type {mt!r} is not supported; "
-                          f"supported: {', '.join(sorted(FAMILIES))}")
+                          f"supported: {', '.join(sorted([*FAMILIES, *ALIASES]))}")
     mod = FAMILIES[mt]
     c = mod.Config.from_hf(cfg)
     return Family(c, mod.Model, mod.dense_spec(c), mod.expert_spec(c))
