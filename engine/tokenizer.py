@@ -1,6 +1,9 @@
-"""Tokenizer (tokenizers' tokenizer.json) and chat template (jinja2), as transformers renders it."""
+"""Tokenizer (tokenizers' tokenizer.json, or a tiktoken.model converted at load) and chat template
+(jinja2), as transformers renders it."""
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from datetime import datetime
 from pathlib import Path
@@ -8,6 +11,7 @@ from pathlib import Path
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 
@@ -48,9 +52,95 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from None
 
 
+# Kimi's tiktoken pattern (tokenization_kimi.py). HF tokenizers' Oniguruma takes it unchanged:
+# it has the same `&&` class intersection and \p{Han} as tiktoken's fancy-regex
+# (tests/test_tiktoken.py compares the two).
+KIMI_PAT = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+NUM_RESERVED_SPECIAL = 256
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of byte-level BPE."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:   # control bytes and space: moved past 255
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def read_tiktoken(model_file: Path) -> dict[bytes, int]:
+    """tiktoken.model: one `<base64 of the token's bytes> <rank>` a line; ranks are the ids."""
+    ranks: dict[bytes, int] = {}
+    with open(model_file, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                tok, rank = line.split()
+                tok, rank = base64.b64decode(tok, validate=True), int(rank)
+            except (ValueError, binascii.Error):
+                raise ValueError(f"{model_file}:{n}: expected '<base64> <rank>', got "
+                                 f"{line[:60]!r}") from None
+            if tok in ranks:
+                raise ValueError(f"{model_file}:{n}: token listed twice (ranks {ranks[tok]} "
+                                 f"and {rank})")
+            ranks[tok] = rank
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{model_file}: ranks are not the ids 0..{len(ranks) - 1}, each once")
+    return ranks
+
+
+def tiktoken_to_tokenizers(model_file: Path, tokenizer_config: dict) -> _HFTokenizer:
+    """A tiktoken BPE (Kimi-K2's, Kimi-Linear's) as an equivalent byte-level tokenizers BPE."""
+    ranks = read_tiktoken(model_file)
+    b2u = str.maketrans({chr(b): c for b, c in _bytes_to_unicode().items()})
+
+    def uni(b: bytes) -> str:   # latin-1: byte b -> chr(b), then the byte-level alphabet
+        return b.decode("latin-1").translate(b2u)
+
+    # tiktoken merges the adjacent pair whose concatenation has the lowest rank: every split of
+    # a token into two tokens is a merge, ranked by the token's rank (ties: the pieces' ranks)
+    merges = sorted((r, ranks[t[:i]], ranks[t[i:]], i, t) for t, r in ranks.items()
+                    for i in range(1, len(t)) if t[:i] in ranks and t[i:] in ranks)
+    bpe = models.BPE(vocab={uni(t): r for t, r in ranks.items()},
+                     merges=[(uni(t[:i]), uni(t[i:])) for *_, i, t in merges],
+                     ignore_merges=True)   # tiktoken takes a pre-token that is a token whole
+    tk = _HFTokenizer(bpe)
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(KIMI_PAT), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    n = len(ranks)
+    named = tokenizer_config.get("added_tokens_decoder") or {}
+    names = [(named.get(str(i)) or {}).get("content") or f"<|reserved_token_{i}|>"
+             for i in range(n, n + NUM_RESERVED_SPECIAL + 2)]
+    # added in id order, each takes the next id: n, n+1, ...
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
+    for i, t in enumerate(names, n):
+        if tk.token_to_id(t) != i:
+            raise ValueError(f"{model_file}: special token {t!r} would get id "
+                             f"{tk.token_to_id(t)}, not {i} (a duplicate name?)")
+    return tk
+
+
 class Tokenizer:
-    def __init__(self, path: Path, tokenizer_config: dict, template_source: str | None):
-        self.tk = _HFTokenizer.from_file(str(path))
+    def __init__(self, path: Path | _HFTokenizer, tokenizer_config: dict,
+                 template_source: str | None):
+        # a tokenizer.json's path, or a tokenizer already built (a converted tiktoken.model)
+        self.tk = path if isinstance(path, _HFTokenizer) else _HFTokenizer.from_file(str(path))
         self.config = tokenizer_config
         special = {}
         for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
@@ -117,6 +207,7 @@ class StreamDecoder:
 
 
 def load_tokenizer(model_dir: Path, tokenizer_json: Path) -> Tokenizer:
+    """tokenizer_json: the folder's tokenizer.json, or its tiktoken.model where it has none."""
     tcfg = {}
     p = model_dir / "tokenizer_config.json"
     if p.is_file():
@@ -133,4 +224,6 @@ def load_tokenizer(model_dir: Path, tokenizer_json: Path) -> Tokenizer:
     elif (model_dir / "chat_template.json").is_file():   # an image-text model's processor template
         tpl = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
         tpl = tpl if isinstance(tpl, str) else None
+    if Path(tokenizer_json).name == "tiktoken.model":
+        return Tokenizer(tiktoken_to_tokenizers(tokenizer_json, tcfg), tcfg, tpl)
     return Tokenizer(tokenizer_json, tcfg, tpl)

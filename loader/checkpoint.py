@@ -719,7 +719,8 @@ class Checkpoint:
             raise CheckpointError(f"{p}: not valid JSON ({e})") from None
 
     def tokenizer_path(self) -> Path:
-        p = self.file("tokenizer.json")
+        """tokenizer.json, else tiktoken.model (Kimi's), which engine.tokenizer converts."""
+        p = self.file("tokenizer.json") or self.file("tiktoken.model")
         if p is None:
-            raise CheckpointError(f"{self.dir}: missing tokenizer.json")
+            raise CheckpointError(f"{self.dir}: missing tokenizer.json (and no tiktoken.model)")
         return p
