@@ -66,6 +66,10 @@ KIMI_PAT = "|".join([
     r"\s+",
 ])
 NUM_RESERVED_SPECIAL = 256
+# the tokens Kimi's tokenizer skips when decoding (with bos / eos / unk / pad) where its
+# tokenizer_config.json lists none; its other reserved tokens (the tool-call markers) stay in text
+KIMI_SKIPPED = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -127,8 +131,13 @@ def tiktoken_to_tokenizers(model_file: Path, tokenizer_config: dict) -> _HFToken
     named = tokenizer_config.get("added_tokens_decoder") or {}
     names = [(named.get(str(i)) or {}).get("content") or f"<|reserved_token_{i}|>"
              for i in range(n, n + NUM_RESERVED_SPECIAL + 2)]
-    # added in id order, each takes the next id: n, n+1, ...
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
+    skipped = set(tokenizer_config.get("additional_special_tokens") or KIMI_SKIPPED)
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        v = tokenizer_config.get(key)
+        skipped.add(v.get("content") if isinstance(v, dict) else v)
+    # added in id order, each takes the next id: n, n+1, ...; all are matched whole in text
+    # (tiktoken's allowed_special="all"), only the skipped ones are special to decode
+    tk.add_tokens([AddedToken(t, special=t in skipped, normalized=False) for t in names])
     for i, t in enumerate(names, n):
         if tk.token_to_id(t) != i:
             raise ValueError(f"{model_file}: special token {t!r} would get id "

@@ -5,7 +5,10 @@ each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call> in its rep
 Qwen3-Coder's as <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function>
 </tool_call>; GLM-4.5 / 4.6 / 4.7's as <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE
 </arg_value>...</tool_call>; MiniMax-M2's as <minimax:tool_call><invoke name="NAME"><parameter
-name="KEY">VALUE</parameter>...</invoke>...</minimax:tool_call> (several calls a block). When a
+name="KEY">VALUE</parameter>...</invoke>...</minimax:tool_call> (several calls a block); Kimi-K2's
+as <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>
+{...}<|tool_call_end|>...<|tool_calls_section_end|> (added tokens that decoding keeps; the call's
+id is the model's own, which its template writes back). When a
 request gives tools and the model's template writes one of these tags (call_format), the server
 turns each such block into tool calls; the text around the blocks stays the message's content.
 A block that parses as none of them, or that the reply leaves open, stays text. Reasoning
@@ -19,7 +22,8 @@ import uuid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # reply format -> (open, close) tags of its call blocks
-TAGS = {"tool_calls": (OPEN, CLOSE), "minimax": ("<minimax:tool_call>", "</minimax:tool_call>")}
+TAGS = {"tool_calls": (OPEN, CLOSE), "minimax": ("<minimax:tool_call>", "</minimax:tool_call>"),
+        "kimi": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")}
 THINK, UNTHINK = "<think>", "</think>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 # a value ends at its </parameter>, or (a model that left the tag out) at the next parameter or
@@ -32,12 +36,16 @@ _GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_valu
 # MiniMax-M2: invokes, each with its parameters
 _INVOKE = re.compile(r'\s*<invoke name="([^"\n]+)">(.*?)</invoke>', re.S)
 _MM_PARAM = re.compile(r'\s*<parameter name="([^"\n]+)">\n?(.*?)\n?</parameter>', re.S)
+# Kimi-K2: an id (functions.NAME:N), then the arguments' JSON
+_KIMI_CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*([^<\s]+)\s*<\|tool_call_argument_begin\|>"
+                        r"(.*?)<\|tool_call_end\|>", re.S)
+_KIMI_ID = re.compile(r"(?:functions\.)?([^\s:]+)(?::\d+)?")
 
 
 def call_format(chat_template: str | None) -> str | None:
-    """The reply format ("tool_calls" or "minimax", TAGS) whose call blocks the chat template
-    writes, or None where it writes none of them."""
-    for kind in ("minimax", "tool_calls"):   # MiniMax's tag holds no <tool_call>: order is free
+    """The reply format ("tool_calls", "minimax" or "kimi", TAGS) whose call blocks the chat
+    template writes, or None where it writes none of them."""
+    for kind in ("kimi", "minimax", "tool_calls"):   # no tag holds another: order is free
         if chat_template and TAGS[kind][0] in chat_template:
             return kind
     return None
@@ -126,7 +134,7 @@ def _glm_call(body: str, types: dict) -> tuple[str, dict] | None:
     return name, _args(types, name, pairs)
 
 
-def _as_call(name: str, args) -> dict | None:
+def _as_call(name: str, args, call_id: str | None = None) -> dict | None:
     """An OpenAI tool call (arguments the text of a JSON object), or None: the client parses
     arguments as an object, so NaN / Infinity, null or a bare string there are no call."""
     if isinstance(args, str):
@@ -140,7 +148,7 @@ def _as_call(name: str, args) -> dict | None:
         text = json.dumps(args, ensure_ascii=False, allow_nan=False)
     except ValueError:   # an XML value of 1e999: Infinity, not JSON
         return None
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+    return {"id": call_id or "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": name, "arguments": text}}
 
 
@@ -174,13 +182,28 @@ def parse_invokes(body: str, types: dict | None = None) -> list[dict] | None:
     return calls
 
 
+def parse_kimi(body: str, types: dict | None = None) -> list[dict] | None:
+    """One Kimi-K2 tool-calls section -> its calls (ids kept), or None where any is not one."""
+    found = _pairs(_KIMI_CALL, body)
+    if not found:
+        return None
+    calls = []
+    for call_id, args in found:
+        m = _KIMI_ID.fullmatch(call_id)
+        call = None if m is None else _as_call(m.group(1), args.strip(), call_id)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
 def _tool_call_block(body: str, types: dict) -> list[dict] | None:
     call = parse_call(body.strip(), types)
     return None if call is None else [call]
 
 
 # reply format -> the parser of one of its blocks: its calls, or None (the block stays text)
-BLOCKS = {"tool_calls": _tool_call_block, "minimax": parse_invokes}
+BLOCKS = {"tool_calls": _tool_call_block, "minimax": parse_invokes, "kimi": parse_kimi}
 
 
 def _held(text: str, tags) -> int:
@@ -258,7 +281,7 @@ class ToolCallParser:
 
 
 def reply_parser(kind: str, types: dict | None = None, thinking: bool = False):
-    """The parser of a reply format: "tool_calls" or "minimax" (the blocks above, TAGS; types:
+    """The parser of a reply format: "tool_calls", "minimax" or "kimi" (the blocks above, TAGS; types:
     param_types(), thinking: the reply starts inside <think>) or "harmony" / "harmony-text"
     (gpt-oss's channels, engine/harmony.py). Both turn text pieces into ("text" | "reasoning" |
     "call") events."""

@@ -26,7 +26,7 @@ PAT = "|".join([
     r"""\s+""",
 ])
 NAMED = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
-         6: "<|im_middle|>"}   # offsets from N; the rest reserved
+         6: "<|im_middle|>", 7: "<|tool_calls_section_begin|>"}   # offsets from N; the rest reserved
 
 POOLS = [
     # English: capitals, contractions, mixed case
@@ -185,6 +185,9 @@ def test_folder_loads_through_checkpoint(table, tmp_path):
     assert [i for i in ids if i >= n] == [n + 3, n + 6, n + 2, n + 4, n + 6]
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert tok.decode(ids) == "userHello, 世界! It's 2024 😀assistant"
+    # decoding skips the chat's markers, not the tool-call markers (the reply's parser reads them)
+    call = tok.encode("<|tool_calls_section_begin|>x<|im_end|>")
+    assert call[0] == n + 7 and tok.decode(call) == "<|tool_calls_section_begin|>x"
     (tmp_path / "tiktoken.model").unlink()
     with pytest.raises(CheckpointError, match="tokenizer.json.*tiktoken.model"):
         ck.tokenizer_path()

@@ -152,6 +152,23 @@ def test_minimax_calls():
     assert call_format("no calls") is None and call_format(None) is None
 
 
+def test_kimi_calls():
+    """Kimi-K2's section of calls (special-token markers), the model's ids kept, arguments as
+    JSON; a section with a malformed call stays text."""
+    reply = ("Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+             '<|tool_call_argument_begin|>{"city": "Zürich", "days": 3, "zip": "8001"}'
+             "<|tool_call_end|>\n<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>"
+             "{}<|tool_call_end|><|tool_calls_section_end|>")
+    assert calls_at_any_cut(reply, "kimi") == "Sure."
+    ids = [v["id"] for k, v in events_of(reply, [7], WEATHER_TYPES, "kimi") if k == "call"]
+    assert ids == ["functions.get_weather:0", "functions.get_time:1"]
+    for bad in ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+                "<|tool_call_argument_begin|>{oops}<|tool_call_end|><|tool_calls_section_end|>",
+                "<|tool_calls_section_begin|>text<|tool_calls_section_end|>"):
+        assert events_of(bad, [5], WEATHER_TYPES, "kimi") == [("text", bad)]
+    assert call_format("...<|tool_calls_section_begin|>...") == "kimi"
+
+
 def test_odd_schemas_and_values():
     """Tools whose schemas are not objects give no types (not a server error); an XML value that
     only Python's JSON reads (NaN) stays a string, so the arguments stay valid JSON."""
