@@ -88,7 +88,7 @@ case "${1:-a}" in
            run fam3 tests/test_families_cuda.py \
                -k "test_graph_replay_and_streaming and (glm4_moe or qwen2)"; } &
          wait
-         if [ $SECONDS -lt 420 ]; then
+         if [ -z "$NO_BENCH" ] && [ $SECONDS -lt 420 ]; then
              { [ -d /tmp/glm ] || python3 -m engine.synth glm-4.7-flash /tmp/glm; } > "$OUT/glm_bench.log" 2>&1 &&
                  timeout $((575 - SECONDS)) python3 -m engine.bench gpu-stream --model /tmp/glm \
                      --vram-gb 8 --ram-gb 32 --tokens 64 --prompt-len 512 >> "$OUT/glm_bench.log" 2>&1
