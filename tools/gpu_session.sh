@@ -94,6 +94,12 @@ case "${1:-a}" in
                      --vram-gb 8 --ram-gb 32 --tokens 64 --prompt-len 512 >> "$OUT/glm_bench.log" 2>&1
              echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/glm_bench.log"
          fi ;;
+    s21c) # the shortest check of the families fixed or never run on a GPU (about 200 s)
+         run ernie tests/test_families_cuda.py -k ernie &
+         run minimax tests/test_families_cuda.py -k "minimax and test_cuda_matches" &
+         run oss tests/test_families_cuda.py -k "test_graph_replay_and_streaming and gpt_oss" &
+         run dsv3 tests/test_families_cuda.py -k "test_graph_replay_and_streaming and deepseek" &
+         wait ;;
     bench) # engine.bench gpu-stream on the MLA presets at --vram-gb 8 (arenas from s21 if there)
          for m in glm:glm-4.7-flash dsl:deepseek-v2-lite; do
              d=/tmp/${m%%:*}
@@ -102,7 +108,7 @@ case "${1:-a}" in
                  >> "$OUT/${m%%:*}_bench.log" 2>&1
              echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/${m%%:*}_bench.log"
          done ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|bench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|bench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
