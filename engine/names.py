@@ -119,6 +119,8 @@ NAMES: dict[str, dict[str, str]] = {
     # model.language_model.
     "qwen3_5_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _HYBRID.items()},
     "qwen3_vl_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _LLAMA_LIKE.items()},
+    # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
+    "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
     # ERNIE-4.5: the shared experts' names of DeepSeek-V3, its selection bias under moe_statics
     "ernie4_5_moe": {**_SIGMOID_MOE,
                      "router_bias": "model.layers.{l}.mlp.moe_statics.e_score_correction_bias"},

@@ -121,6 +121,42 @@ def test_kimi_k2_is_deepseek_v3(tmp_path):
     assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), want) < 1e-4
 
 
+def test_kimi_k25_wrapper(tmp_path):
+    """Kimi-K2.5 as released: the language model's fields under text_config (model_type
+    kimi_k2), its tensors under language_model., a vision tower and projector beside it (left
+    unread): the same logits as transformers' DeepSeek-V3 on the same weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from conftest import hf_reference, rel_err
+    src, dst = tmp_path / "src", tmp_path / "k25"
+    build_hf_model(src, "deepseek_v3", dtype="bfloat16")
+    ref = hf_reference(src)
+    dst.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / f).write_bytes((src / f).read_bytes())
+    text = json.loads((src / "config.json").read_text())
+    cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+           "text_config": {**text, "model_type": "kimi_k2"}, "vision_config": {"hidden_size": 8}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng()
+    tensors = {"language_model." + n: w for n, w in load_file(src / "model.safetensors").items()}
+    tensors["vision_tower.encoder.blocks.0.wqkv.weight"] = torch.randn(24, 8)
+    tensors["mm_projector.proj.0.weight"] = torch.randn(16, 8)
+    save_file(tensors, dst / "model.safetensors")
+    c = family_of(cfg).config
+    n = text["num_hidden_layers"]
+    assert c.family == "kimi_k25" and [p for p, _ in c.ignored_parts] == \
+        [f"language_model.model.layers.{n + i}." for i in range(text.get("num_nextn_predict_layers") or 0)] + \
+        ["vision_tower.", "mm_projector."]
+    ids = rng.integers(0, 300, 12)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert rel_err(engine.load(dst, device="cpu").logits(ids), want) < 1e-4
+    with pytest.raises(ConfigError, match="kimi_k25 without text_config"):
+        family_of({"model_type": "kimi_k25"})
+
+
 def test_state_bytes(tiny):
     m = engine.load(tiny, device="cpu")
     cfg = json.loads((tiny / "config.json").read_text())
