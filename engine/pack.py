@@ -90,8 +90,12 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
             if p is not None:
                 shutil.copyfile(p, tmp / f)
         config = ck.config
-        if "quantization_config" in config:   # FP8 weights were dequantized: no longer true
+        text = config.get("text_config")
+        if "quantization_config" in config or (isinstance(text, dict) and "quantization_config" in text):
+            # the weights were dequantized: no longer true (also a wrapper's, under text_config)
             config = {k: v for k, v in config.items() if k != "quantization_config"}
+            if isinstance(text, dict):
+                config["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
         manifest = {
             "format_version": FORMAT_VERSION,

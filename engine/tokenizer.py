@@ -131,7 +131,11 @@ def tiktoken_to_tokenizers(model_file: Path, tokenizer_config: dict) -> _HFToken
     named = tokenizer_config.get("added_tokens_decoder") or {}
     names = [(named.get(str(i)) or {}).get("content") or f"<|reserved_token_{i}|>"
              for i in range(n, n + NUM_RESERVED_SPECIAL + 2)]
-    skipped = set(tokenizer_config.get("additional_special_tokens") or KIMI_SKIPPED)
+    listed = (tokenizer_config.get("additional_special_tokens")
+              or tokenizer_config.get("extra_special_tokens") or KIMI_SKIPPED)
+    if isinstance(listed, dict):   # transformers v5 may name them: {name: token}
+        listed = list(listed.values())
+    skipped = {t.get("content") if isinstance(t, dict) else t for t in listed}
     for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
         v = tokenizer_config.get(key)
         skipped.add(v.get("content") if isinstance(v, dict) else v)

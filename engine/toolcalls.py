@@ -223,6 +223,7 @@ class ToolCallParser:
         self.buf, self.inside, self.calls = "", False, 0
         self.types, self.thinking = types or {}, thinking
         self.open, self.close = TAGS[kind]
+        self.kind = kind
         self.parse_block = BLOCKS[kind]
         self.begun = thinking   # past the reply's start: a later <think> is just text
 
@@ -236,8 +237,15 @@ class ToolCallParser:
         while True:
             if self.thinking:   # reasoning, tags and all, until </think>
                 j = self.buf.find(UNTHINK)
+                # Kimi-K2 opens its calls without closing its reasoning: the section ends it
+                c = self.buf.find(self.open) if self.kind == "kimi" else -1
+                if 0 <= c and (j < 0 or c < j):
+                    text(self.buf[:c])
+                    self.buf, self.thinking = self.buf[c:], False
+                    continue
                 if j < 0:
-                    cut = len(self.buf) - _held(self.buf, (UNTHINK,))
+                    ends = (UNTHINK, self.open) if self.kind == "kimi" else (UNTHINK,)
+                    cut = len(self.buf) - _held(self.buf, ends)
                     text(self.buf[:cut])
                     self.buf = self.buf[cut:]
                     return out

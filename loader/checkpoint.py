@@ -250,6 +250,9 @@ class Checkpoint:
         """Refuses the quantization methods and formats the engine does not read; returns the
         declared FP8 block shape (None: derive it from each scale tensor's grid)."""
         qc = self.config.get("quantization_config") or {}
+        text = self.config.get("text_config")
+        if not qc and isinstance(text, dict):   # an image-text wrapper's (Kimi-K2.5's INT4)
+            qc = text.get("quantization_config") or {}
         for side, kind in SIDE_QUANT_CONFIGS:   # older GPTQ / AWQ releases: a file of its own
             if not qc and (self.dir / side).is_file():
                 qc = {"quant_method": kind, **self.json_file(side)}

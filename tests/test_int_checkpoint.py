@@ -195,6 +195,34 @@ def test_int_checkpoint_matches_transformers(tmp_path, layout):
     check_against(hf_reference(tmp_path / "ref"), engine.load(tmp_path / "q", device="cpu"))
 
 
+def test_int4_wrapper_settings_under_text_config(tmp_path):
+    """Kimi-K2.5 as released: an image-text wrapper (kimi_k25) whose language model is INT4
+    compressed-tensors with its settings under text_config, its tensors under language_model.:
+    read, matched against transformers on the dequantized weights, and packed (the settings gone
+    from the packed config, which now holds dequantized experts)."""
+    from engine.pack import pack
+    rng = np.random.default_rng()
+    src = tmp_path / "f32"
+    build_hf_model(src, "deepseek_v3")
+    want = write_ct(src, tmp_path / "q", 4, True, rng, group=8)   # (o_proj's 40 columns)
+    raw = load_file(tmp_path / "q" / "model.safetensors")
+    text = json.loads((tmp_path / "q" / "config.json").read_text())
+    k25 = tmp_path / "k25"
+    k25.mkdir()
+    save_file({"language_model." + n: v.contiguous() for n, v in raw.items()}, k25 / "model.safetensors")
+    copy_config(tmp_path / "q", k25)
+    (k25 / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": {**text, "model_type": "kimi_k2"}}))
+    write_reference(src, tmp_path / "ref", want)
+    ref = hf_reference(tmp_path / "ref")
+    check_against(ref, engine.load(k25, device="cpu"))
+    pack(k25, tmp_path / "packed", experts="bf16", progress=False)
+    packed = json.loads((tmp_path / "packed" / "config.json").read_text())
+    assert "quantization_config" not in packed["text_config"]
+    check_against(ref, engine.load(tmp_path / "packed", device="cpu"))
+
+
 def test_ct_unpacked_int8_zero_points(tmp_path):
     """compressed-tensors zero points stored as int8 [N, G] (older releases), not packed: read
     as they are, the same weights as the packed form."""

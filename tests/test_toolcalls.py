@@ -167,6 +167,12 @@ def test_kimi_calls():
                 "<|tool_calls_section_begin|>text<|tool_calls_section_end|>"):
         assert events_of(bad, [5], WEATHER_TYPES, "kimi") == [("text", bad)]
     assert call_format("...<|tool_calls_section_begin|>...") == "kimi"
+    # K2-Thinking: the section may follow reasoning that was never closed
+    # (the reasoning passes through as text, as for the other formats)
+    for start, thinking in (("<think>plan", False), ("plan", True)):
+        content, _, calls = split_reply(start + reply[5:], "kimi", WEATHER_TYPES, thinking)
+        assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+        assert content == start
 
 
 def test_odd_schemas_and_values():
