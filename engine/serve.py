@@ -126,7 +126,7 @@ class GenRequest:
     stop: tuple                 # stop strings, matched on the decoded text
     stream: bool
     include_usage: bool
-    reply: str = "text"         # chat replies: "text" as it is, "tool_calls" / "minimax" (call blocks
+    reply: str = "text"         # chat replies: "text" as it is, "tool_calls" / "minimax" / "kimi" (call blocks
                                 # -> message.tool_calls) or "harmony" (gpt-oss's channels;
                                 # "harmony-text" where no tool calls are allowed), engine/toolcalls.py
     tool_types: dict = field(default_factory=dict)   # param_types() of the request's tools

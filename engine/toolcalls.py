@@ -204,6 +204,9 @@ def _tool_call_block(body: str, types: dict) -> list[dict] | None:
 
 # reply format -> the parser of one of its blocks: its calls, or None (the block stays text)
 BLOCKS = {"tool_calls": _tool_call_block, "minimax": parse_invokes, "kimi": parse_kimi}
+# other spellings of a format's tags: some Kimi-K2 checkpoints write the singular section marker
+ALIASES = {"kimi": (("<|tool_call_section_begin|>", TAGS["kimi"][0]),
+                    ("<|tool_call_section_end|>", TAGS["kimi"][1]))}
 
 
 def _held(text: str, tags) -> int:
@@ -224,11 +227,14 @@ class ToolCallParser:
         self.types, self.thinking = types or {}, thinking
         self.open, self.close = TAGS[kind]
         self.kind = kind
+        self.opens = (self.open, *(alt for alt, _ in ALIASES.get(kind, ())))   # held back whole
         self.parse_block = BLOCKS[kind]
         self.begun = thinking   # past the reply's start: a later <think> is just text
 
     def push(self, piece: str) -> list[tuple[str, object]]:
         self.buf += piece
+        for alt, tag in ALIASES.get(self.kind, ()):
+            self.buf = self.buf.replace(alt, tag)
         out: list[tuple[str, object]] = []
 
         def text(t: str) -> None:
@@ -244,7 +250,7 @@ class ToolCallParser:
                     self.buf, self.thinking = self.buf[c:], False
                     continue
                 if j < 0:
-                    ends = (UNTHINK, self.open) if self.kind == "kimi" else (UNTHINK,)
+                    ends = (UNTHINK, *self.opens) if self.kind == "kimi" else (UNTHINK,)
                     cut = len(self.buf) - _held(self.buf, ends)
                     text(self.buf[:cut])
                     self.buf = self.buf[cut:]
@@ -259,7 +265,7 @@ class ToolCallParser:
                     self.buf, self.thinking, self.begun = self.buf[k + len(THINK):], True, True
                     continue
                 if i < 0:
-                    tags = (self.open,) if self.begun else (self.open, THINK)
+                    tags = self.opens if self.begun else (*self.opens, THINK)
                     cut = len(self.buf) - _held(self.buf, tags)
                     if not self.begun and self.buf[:cut].strip():
                         self.begun = True   # text first: no <think> can open reasoning now

@@ -173,6 +173,22 @@ def test_router_softmax_bias_topk(e, k, norm):
     assert not np.array_equal(rid, plain)   # the bias moved some pick
 
 
+def test_weight_vectors_widened():
+    """bf16 bits: vectors (1-D or one row, [1, N]) become float32 of the same values; matrices
+    ([N, 1] included) stay bits for the bf16 kernels."""
+    rng = np.random.default_rng()
+    f = rng.standard_normal((1, 7)).astype(np.float32)
+    bits = (f.view(np.uint32) >> 16).astype(np.uint16)
+    want = (bits.astype(np.uint32) << 16).view(np.float32)
+    ops = cpu.CpuOps()
+    for a, w in ((bits, want), (bits[0], want[0])):
+        got = ops.weight(a)
+        assert got.dtype == np.float32 and got.shape == a.shape and np.array_equal(got, w)
+    for a in (bits.T, np.tile(bits, (3, 1))):
+        got = ops.weight(a)
+        assert got.dtype == np.uint16 and np.array_equal(got, a)
+
+
 def test_expert_dense_weights():
     h, i = 40, 24
     x = rng.standard_normal((3, h)).astype(np.float32)

@@ -121,17 +121,12 @@ def test_kimi_k2_is_deepseek_v3(tmp_path):
     assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), want) < 1e-4
 
 
-def test_kimi_k25_wrapper(tmp_path):
-    """Kimi-K2.5 as released: the language model's fields under text_config (model_type
-    kimi_k2), its tensors under language_model., a vision tower and projector beside it (left
-    unread): the same logits as transformers' DeepSeek-V3 on the same weights."""
+def kimi_k25_folder(src, dst) -> dict:
+    """src (a deepseek_v3 folder) laid out as Kimi-K2.5 is released: the language model's fields
+    under text_config (model_type kimi_k2), its tensors under language_model., a vision tower and
+    projector beside it. Returns the config."""
     import torch
     from safetensors.torch import load_file, save_file
-
-    from conftest import hf_reference, rel_err
-    src, dst = tmp_path / "src", tmp_path / "k25"
-    build_hf_model(src, "deepseek_v3", dtype="bfloat16")
-    ref = hf_reference(src)
     dst.mkdir()
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (dst / f).write_bytes((src / f).read_bytes())
@@ -139,11 +134,25 @@ def test_kimi_k25_wrapper(tmp_path):
     cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
            "text_config": {**text, "model_type": "kimi_k2"}, "vision_config": {"hidden_size": 8}}
     (dst / "config.json").write_text(json.dumps(cfg))
-    rng = np.random.default_rng()
     tensors = {"language_model." + n: w for n, w in load_file(src / "model.safetensors").items()}
     tensors["vision_tower.encoder.blocks.0.wqkv.weight"] = torch.randn(24, 8)
     tensors["mm_projector.proj.0.weight"] = torch.randn(16, 8)
     save_file(tensors, dst / "model.safetensors")
+    return cfg
+
+
+def test_kimi_k25_wrapper(tmp_path):
+    """Kimi-K2.5 as released (kimi_k25_folder): the vision tower and projector left unread, the
+    same logits as transformers' DeepSeek-V3 on the same weights."""
+    import torch
+
+    from conftest import hf_reference, rel_err
+    src, dst = tmp_path / "src", tmp_path / "k25"
+    build_hf_model(src, "deepseek_v3", dtype="bfloat16")
+    ref = hf_reference(src)
+    cfg = kimi_k25_folder(src, dst)
+    text = cfg["text_config"]
+    rng = np.random.default_rng()
     c = family_of(cfg).config
     n = text["num_hidden_layers"]
     assert c.family == "kimi_k25" and [p for p, _ in c.ignored_parts] == \
@@ -155,6 +164,28 @@ def test_kimi_k25_wrapper(tmp_path):
     assert rel_err(engine.load(dst, device="cpu").logits(ids), want) < 1e-4
     with pytest.raises(ConfigError, match="kimi_k25 without text_config"):
         family_of({"model_type": "kimi_k25"})
+
+
+def test_kimi_k25_simulator(tmp_path):
+    """The cuda backend's MLA decoder on the wrapper's names, in the CUDA simulator, against the
+    CPU backend (tests/test_families_cuda.py's script)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    build_hf_model(tmp_path / "src", "deepseek_v3", dtype="bfloat16", hidden_size=16,
+                   num_attention_heads=2, moe_intermediate_size=8, intermediate_size=8,
+                   n_routed_experts=4, n_group=2, topk_group=1, num_hidden_layers=2,
+                   kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                   v_head_dim=6, vocab_size=24)
+    kimi_k25_folder(tmp_path / "src", tmp_path / "k25")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"),
+                        str(tmp_path / "k25")], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=str(root))
+    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
 
 
 def test_state_bytes(tiny):

@@ -85,7 +85,7 @@ SIM_CASES = {
                          tie_word_embeddings=False),
 }
 DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
-            "glm4_moe_lite": "GpuMlaDecoder"}
+            "glm4_moe_lite": "GpuMlaDecoder", "kimi_k25": "GpuMlaDecoder"}
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))

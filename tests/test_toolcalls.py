@@ -168,6 +168,8 @@ def test_kimi_calls():
         assert events_of(bad, [5], WEATHER_TYPES, "kimi") == [("text", bad)]
     assert call_format("...<|tool_calls_section_begin|>...") == "kimi"
     # K2-Thinking: the section may follow reasoning that was never closed
+    single = reply.replace("_calls_section", "_call_section")   # the singular markers
+    assert calls_at_any_cut(single, "kimi") == "Sure."
     # (the reasoning passes through as text, as for the other formats)
     for start, thinking in (("<think>plan", False), ("plan", True)):
         content, _, calls = split_reply(start + reply[5:], "kimi", WEATHER_TYPES, thinking)
