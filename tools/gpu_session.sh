@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The gpu tests on the GPU machine in one call of the device tool (10 minutes at most), logs in $OUT.
-# usage (device tool, carry [".whl"]): bash tools/gpu_session.sh GROUP
+# usage (device tool, carry [".whl"], made by tools/fetch_wheels.sh): bash tools/gpu_session.sh GROUP
 #   a: tests/test_gpu_engine.py then tests/test_families_cuda.py (new, duration unknown) beside
 #      tests/test_gpu_hybrid.py then tests/test_fused_norm.py (engine 227 s, hybrid 238 s,
 #      fused norm 195 s alone, on 2026-12-01)
