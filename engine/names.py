@@ -119,6 +119,10 @@ NAMES: dict[str, dict[str, str]] = {
     # model.language_model.
     "qwen3_5_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _HYBRID.items()},
     "qwen3_vl_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _LLAMA_LIKE.items()},
+    # DeepSeek-V3.2: V3's names and the DSA indexer's
+    "deepseek_v32": {**_DEEPSEEK_V3, **{k: "model.layers.{l}.self_attn.indexer." + v for k, v in (
+        ("idx_wq_b", "wq_b.weight"), ("idx_wk", "wk.weight"), ("idx_k_norm", "k_norm.weight"),
+        ("idx_k_norm_bias", "k_norm.bias"), ("idx_w", "weights_proj.weight"))}},
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
     # ERNIE-4.5: the shared experts' names of DeepSeek-V3, its selection bias under moe_statics

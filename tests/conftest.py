@@ -71,6 +71,17 @@ def hf_config(family: str, **over):
         kw.pop("head_dim")
         kw.pop("num_key_value_heads")
         cls = tf.DeepseekV3Config
+    elif family == "deepseek_v32":
+        # V3 with the DSA indexer: 16 heads of 12 (8 rotating; enough heads that no two positions
+        # tie at a score of 0), the best 4 positions a query
+        kw.update(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                  num_hidden_layers=3, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
+                  qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, index_n_heads=16,
+                  index_head_dim=12, index_topk=4)
+        kw.pop("head_dim")
+        kw.pop("num_key_value_heads")
+        cls = tf.DeepseekV32Config
     elif family == "deepseek_v2":
         kw.update(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
@@ -146,7 +157,7 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
            "olmoe": tf.OlmoeForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
            "qwen2_moe": tf.Qwen2MoeForCausalLM, "dots1": tf.Dots1ForCausalLM,
            "gpt_oss": tf.GptOssForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM,
-           "deepseek_v2": tf.DeepseekV2ForCausalLM, "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
+           "deepseek_v2": tf.DeepseekV2ForCausalLM, "deepseek_v32": tf.DeepseekV32ForCausalLM, "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
            "minimax_m2": tf.MiniMaxM2ForCausalLM, "ernie4_5_moe": tf.Ernie4_5_MoeForCausalLM}[family]
     model = cls(cfg)
     widen_init(model)

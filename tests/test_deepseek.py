@@ -188,6 +188,61 @@ def test_kimi_k25_simulator(tmp_path):
     assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
 
 
+def test_v32_sparse_attention(tmp_path):
+    """DeepSeek-V3.2's indexer picks 4 positions a query of 12 (and 28 with the continuation):
+    the same logits and greedy tokens as transformers; the same weights read densely give other
+    logits (the picking is what is checked); a prompt resumed from the previous generation's
+    state (its indexer keys carried) gives what a fresh engine gives."""
+    import shutil
+
+    import torch
+
+    from conftest import assert_greedy, hf_reference, rel_err
+    build_hf_model(tmp_path / "m", "deepseek_v32")
+    ref = hf_reference(tmp_path / "m")
+    ids = np.random.default_rng().integers(0, 300, 12)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    m = engine.load(tmp_path / "m", device="cpu")
+    assert rel_err(m.logits(ids), want) < 1e-4
+    assert_greedy(ref, ids[:6].tolist(), m.generate(ids[:6].tolist(), max_new_tokens=16).output_ids, 16)
+    shutil.copytree(tmp_path / "m", tmp_path / "dense")
+    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
+    (tmp_path / "dense" / "config.json").write_text(json.dumps({**cfg, "index_topk": 64}))
+    assert rel_err(engine.load(tmp_path / "dense", device="cpu").logits(ids), want) > 1e-3
+    # the prefix cache: a saved state restored, and a live state copied into a larger one
+    m = engine.load(tmp_path / "m", device="cpu", prefix_cache=True)
+    first = m.generate(ids[:8].tolist(), max_new_tokens=6).output_ids
+    m.generate(ids[::-1].tolist(), max_new_tokens=2)   # another prompt: the first one's state saved
+    prompt = ids[:8].tolist() + first + ids[8:].tolist()
+    fresh = engine.load(tmp_path / "m", device="cpu")
+    assert m.generate(prompt, max_new_tokens=6).output_ids == \
+        fresh.generate(prompt, max_new_tokens=6).output_ids
+    st = m.model.new_state(40)
+    m.model.forward(np.asarray(prompt[:10]), st)
+    small = m.model.new_state(12)
+    st.copy_into(small, 10)
+    big = m.model.restore_state(m.model.save_state(st, 10), 40, 10)
+    small.pos = 10
+    tail = np.asarray(prompt[10:12])
+    a = m.model.forward(tail, small)
+    assert np.array_equal(a, m.model.forward(tail, big))
+    assert np.array_equal(a, m.model.forward(tail, st))
+
+
+def test_v32_config_refused():
+    v32 = dict(V3, model_type="deepseek_v32", index_n_heads=64, index_head_dim=128, index_topk=2048)
+    c = family_of(v32).config
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (64, 128, 2048)
+    assert family_of(v32).dense_spec["model.layers.0.self_attn.indexer.wq_b.weight"] == (64 * 128, 1536)
+    with pytest.raises(ConfigError, match="missing field index_topk"):
+        family_of({k: v for k, v in v32.items() if k != "index_topk"})
+    with pytest.raises(ConfigError, match="without q_lora_rank"):
+        family_of({**v32, "q_lora_rank": None})
+    with pytest.raises(ConfigError, match="index_head_dim=32 at least qk_rope_head_dim=64"):
+        family_of({**v32, "index_head_dim": 32})
+
+
 def test_state_bytes(tiny):
     m = engine.load(tiny, device="cpu")
     cfg = json.loads((tiny / "config.json").read_text())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import (deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite, gpt_oss,
+from engine.models import (deepseek_v2, deepseek_v3, deepseek_v32, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite, gpt_oss,
                            kimi_k25, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe,
                            qwen3_next, qwen3_vl_moe)
 from engine.models.rope import ConfigError
@@ -23,6 +23,7 @@ FAMILIES = {
     "dots1": dots1,
     "deepseek_v3": deepseek_v3,
     "deepseek_v2": deepseek_v2,
+    "deepseek_v32": deepseek_v32,        # V3.2: V3 with DeepSeek Sparse Attention (CPU backend)
     "glm4_moe_lite": glm4_moe_lite,      # GLM-4.7-Flash: DeepSeek-V3's attention and MoE
     "kimi_k25": kimi_k25,                # the image-text wrapper: its language model (deepseek_v3)
     "minimax_m2": minimax_m2,

@@ -147,13 +147,22 @@ class DeepseekV3Decoder(MoeDecoder):
         return MlaState(self.ops, self.c, max_context)
 
     def attention(self, l: int, h, pos: np.ndarray, st: MlaState):
+        q_lat, _ = self.latent(l, h, pos, st)
+        a = self.ops.attention(q_lat, st.k[l], st.v[l], pos, self.c.softmax_scale, self.window(l), None)
+        return self.out(l, a)
+
+    def latent(self, l: int, h, pos: np.ndarray, st: MlaState):
+        """The queries in the latent space [T, Hq, C + R], the tokens' rows stored in st; and the
+        normed low-rank query (None without q_lora_rank)."""
         c, ops, w = self.c, self.ops, self.w
         t, heads, nope, cd = h.shape[0], c.n_heads, c.qk_nope_dim, c.kv_lora_rank
+        qr = None
         if c.q_lora_rank:
             qa = ops.linear(h, w("q_a", l))
             if c.attention_bias:
                 ops.add_(qa, w("q_a_bias", l))
-            q = ops.linear(ops.rmsnorm(qa, w("q_a_norm", l), c.rms_eps), w("q_b", l))
+            qr = ops.rmsnorm(qa, w("q_a_norm", l), c.rms_eps)
+            q = ops.linear(qr, w("q_b", l))
         else:
             q = ops.linear(h, w("q", l))
         q = q.reshape(t, heads, nope + c.qk_rope_dim)
@@ -169,7 +178,12 @@ class DeepseekV3Decoder(MoeDecoder):
         q_lat = np.concatenate([ops.per_head_linear(q[:, :, :nope], w("w_uk", l)), q_pe],
                                axis=-1)                                   # [T, Hq, C + R]
         ops.kv_store(st.k[l], st.v[l], int(pos[0]), row, row, self.kv_bf16)
-        a = ops.attention(q_lat, st.k[l], st.v[l], pos, c.softmax_scale, self.window(l), None)
+        return q_lat, qr
+
+    def out(self, l: int, a):
+        """Attention over the latent rows [T, Hq, C + R] -> the layer's output [T, H]."""
+        c, ops, w = self.c, self.ops, self.w
+        t, heads, cd = a.shape[0], c.n_heads, c.kv_lora_rank
         o = ops.per_head_linear(a[:, :, :cd], w("w_uv_t", l))             # [T, Hq, V]
         o = ops.linear(o.reshape(t, heads * c.v_head_dim), w("o", l))
         if c.attention_bias:

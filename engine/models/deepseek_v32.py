@@ -1,0 +1,128 @@
+"""DeepSeek-V3.2 (V3.2-Exp, V3.2, V3.2-Speciale): DeepSeek-V3's MLA and MoE with DeepSeek Sparse
+Attention (DSA). Each layer's lightning indexer scores every cached position for each query
+(index_n_heads relu'd dot products of index_head_dim, weighted per token) and the attention reads
+only the index_topk best; the indexer's keys (one index_head_dim row a position a layer) are
+cached beside the latent rows. Up to index_topk positions the selection is every position: dense
+MLA. The indexer's RoPE rotates the first qk_rope_head_dim dims in halves (the attention's comes
+in interleaved pairs). CPU backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.models import deepseek_v3
+from engine.models.base import need
+from engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3Decoder, MlaState, expert_spec  # noqa: F401
+from engine.models.rope import ConfigError
+from engine.names import name
+
+INDEXER = ("idx_wq_b", "idx_wk", "idx_k_norm", "idx_k_norm_bias", "idx_w")
+
+
+@dataclass(frozen=True)
+class DeepseekV32Config(DeepseekV3Config):
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DeepseekV32Config":
+        c = DeepseekV3Config.from_hf(cfg)
+        if not c.q_lora_rank:
+            raise ConfigError("config.json: deepseek_v32 without q_lora_rank; expected one (the "
+                              "indexer's queries come from the low-rank query)")
+        heads, dim, topk = (int(need(cfg, k)) for k in ("index_n_heads", "index_head_dim", "index_topk"))
+        if min(heads, topk) < 1 or dim < c.qk_rope_dim:
+            raise ConfigError(f"config.json: index_n_heads={heads}, index_topk={topk} must be "
+                              f"positive and index_head_dim={dim} at least qk_rope_head_dim="
+                              f"{c.qk_rope_dim}")
+        return cls(**c.__dict__, index_n_heads=heads, index_head_dim=dim, index_topk=topk)
+
+
+def dense_spec(c: DeepseekV32Config) -> dict[str, tuple]:
+    spec = deepseek_v3.dense_spec(c)
+    f, hd = c.family, c.index_head_dim
+    for l in range(c.n_layers):
+        spec[name(f, "idx_wq_b", l)] = (c.index_n_heads * hd, c.q_lora_rank)
+        spec[name(f, "idx_wk", l)] = (hd, c.hidden)
+        spec[name(f, "idx_k_norm", l)] = (hd,)
+        spec[name(f, "idx_k_norm_bias", l)] = (hd,)
+        spec[name(f, "idx_w", l)] = (c.index_n_heads, c.hidden)
+    return spec
+
+
+class DsaState(MlaState):
+    """The latent cache and the indexer's keys ik [L, S_max, index_head_dim]."""
+
+    def __init__(self, ops, c: DeepseekV32Config, max_context: int):
+        super().__init__(ops, c, max_context)
+        self.ik = np.zeros((c.n_layers, max_context, c.index_head_dim), np.float32)
+
+    def copy_into(self, dst, keep: int) -> None:
+        super().copy_into(dst, keep)
+        dst.ik[:, :keep] = self.ik[:, :keep]
+
+    def save_nbytes(self, keep: int) -> int:
+        return super().save_nbytes(keep) + self.ik[:, :keep].nbytes
+
+    def save(self, keep: int) -> dict:
+        return {**super().save(keep), "ik": self.ik[:, :keep].copy()}
+
+    def load(self, saved: dict, keep: int) -> None:
+        super().load(saved, keep)
+        self.ik[:, :keep] = saved["ik"][:, :keep]
+
+
+class DeepseekV32Decoder(DeepseekV3Decoder):
+    def new_state(self, max_context: int) -> DsaState:
+        return DsaState(self.ops, self.c, max_context)
+
+    def attention(self, l: int, h, pos: np.ndarray, st: DsaState):
+        q_lat, qr = self.latent(l, h, pos, st)
+        picked = self.select(l, h, qr, pos, st)
+        if picked is None:   # every position: dense MLA
+            a = self.ops.attention(q_lat, st.k[l], st.v[l], pos, self.c.softmax_scale, 0, None)
+        else:
+            a = np.empty(q_lat.shape, np.float32)
+            for i, keep in enumerate(picked):   # each query over its picked rows
+                rows = st.k[l, keep, 0].astype(np.float32)                       # [n, C + R]
+                s = (q_lat[i] @ rows.T) * np.float32(self.c.softmax_scale)      # [Hq, n]
+                p = np.exp(s - s.max(-1, keepdims=True))
+                a[i] = (p / p.sum(-1, keepdims=True)) @ rows
+        return self.out(l, a)
+
+    def select(self, l: int, h, qr, pos: np.ndarray, st: DsaState):
+        """Stores the tokens' indexer keys; returns each token's picked positions (ascending),
+        or None where every token may read all its positions (at most index_topk of them)."""
+        c, ops, w = self.c, self.ops, self.w
+        t, heads, dim = h.shape[0], c.index_n_heads, c.index_head_dim
+        k = ops.linear(h, w("idx_wk", l))                                   # [T, D]
+        mu = k.mean(-1, keepdims=True)
+        var = ((k - mu) ** 2).mean(-1, keepdims=True)
+        k = ((k - mu) / np.sqrt(var + np.float32(1e-6)) * w("idx_k_norm", l)
+             + w("idx_k_norm_bias", l)).astype(np.float32)[:, None]        # LayerNorm, [T, 1, D]
+        ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
+        st.ik[l, pos[0]:pos[0] + t] = k[:, 0]
+        end = int(pos[-1]) + 1
+        if end <= c.index_topk:
+            return None
+        q = np.ascontiguousarray(ops.linear(qr, w("idx_wq_b", l)).reshape(t, heads, dim))
+        ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
+        wt = ops.linear(h, w("idx_w", l)) * np.float32(heads ** -0.5)        # [T, Hi]
+        keys = st.ik[l, :end]                                               # [S, D]
+        scores = np.maximum(np.einsum("thd,sd->ths", q, keys) * np.float32(dim ** -0.5), 0)
+        score = np.einsum("th,ths->ts", wt, scores)                         # [T, S]
+        picked = []
+        for i in range(t):
+            n = int(pos[i]) + 1
+            if n <= c.index_topk:
+                picked.append(np.arange(n))
+            else:
+                top = np.argpartition(-score[i, :n], c.index_topk - 1)[:c.index_topk]
+                picked.append(np.sort(top))
+        return picked
+
+
+Model = DeepseekV32Decoder
+Config = DeepseekV32Config
