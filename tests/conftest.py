@@ -225,6 +225,20 @@ def assert_greedy(ref, prompt, got, n: int) -> None:
             return
 
 
+def assert_same_greedy(ref_engine, prompt, got, want, n: int) -> None:
+    """got must be want, ref_engine's greedy continuation of prompt (two CPU paths whose expert
+    sums round differently, ~1e-5: a checkpoint's dense experts, an arena's blocks); where got
+    leaves it, ref_engine must rate the two tokens within TIE at that step."""
+    if got == want:
+        return
+    assert len(got) == n, (got, want)
+    i = next(k for k in range(n) if got[k] != want[k])
+    row = np.asarray(ref_engine.logits(list(prompt) + list(got[:i]))[-1])
+    gap = float(row[want[i]] - row[got[i]])
+    assert gap <= TIE * max(1.0, float(np.abs(row).max())), (
+        f"step {i}: got {got[i]}, the reference engine's greedy {want[i]} by a margin of {gap:.3g}")
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
