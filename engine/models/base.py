@@ -21,6 +21,19 @@ def need(cfg: dict, *keys):
     raise ConfigError(f"config.json: missing field {' / '.join(keys)}")
 
 
+def text_config(cfg: dict, family: str, wrapper: str, inherited=("eos_token_id",)) -> dict:
+    """An image-text wrapper's language model fields (its text_config) as family's config, with
+    the wrapper's values of `inherited` where the text config has none."""
+    if not isinstance(cfg.get("text_config"), dict):
+        raise ConfigError(f"config.json: {family} without text_config; expected the image-text "
+                          f"wrapper's config ({wrapper})")
+    text = {**cfg["text_config"], "model_type": family}
+    for key in inherited:
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return text
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """What a llama-like MoE decoder needs; family files build it in from_hf()."""

@@ -17,9 +17,6 @@ from engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3Decoder, MlaSt
 from engine.models.rope import ConfigError
 from engine.names import name
 
-INDEXER = ("idx_wq_b", "idx_wk", "idx_k_norm", "idx_k_norm_bias", "idx_w")
-
-
 @dataclass(frozen=True)
 class DeepseekV32Config(DeepseekV3Config):
     index_n_heads: int = 0

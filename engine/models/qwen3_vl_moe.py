@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.models.base import dense_spec, expert_spec  # noqa: F401
-from engine.models.base import MoeDecoder
+from engine.models.base import MoeDecoder, text_config
 from engine.models.qwen3_moe import Qwen3MoeConfig
-from engine.models.rope import ConfigError
 
 VISION = ("model.visual.", "the vision tower")
 
@@ -23,14 +22,9 @@ class Qwen3VLMoeConfig(Qwen3MoeConfig):
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Qwen3VLMoeConfig":
-        if not isinstance(cfg.get("text_config"), dict):
-            raise ConfigError("config.json: qwen3_vl_moe without text_config; expected the image-text "
-                              "wrapper's config (Qwen3VLMoeForConditionalGeneration)")
-        text = {**cfg["text_config"], "model_type": "qwen3_vl_moe"}
+        text = text_config(cfg, "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")
         if cfg.get("tie_word_embeddings") is not None:   # the wrapper ties lm_head: its flag rules
             text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-        if text.get("eos_token_id") is None:
-            text["eos_token_id"] = cfg.get("eos_token_id")
         c = Qwen3MoeConfig.from_hf(text)
         return cls(**{**c.__dict__, "norm_topk_prob": True, "raw": cfg}, ignored_parts=(VISION,))
 
