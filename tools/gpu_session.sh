@@ -100,6 +100,22 @@ case "${1:-a}" in
          run oss tests/test_families_cuda.py -k "test_graph_replay_and_streaming and gpt_oss" &
          run dsv3 tests/test_families_cuda.py -k "test_graph_replay_and_streaming and deepseek" &
          wait ;;
+    s22) # s21c, then the NVFP4 experts replayed from one layer (its weights stay in the L2) and
+         # from 16 (read from HBM), alone, then the glm-4.7-flash bench in what is left
+         run ernie tests/test_families_cuda.py -k ernie &
+         run minimax tests/test_families_cuda.py -k "minimax and test_cuda_matches" &
+         run oss tests/test_families_cuda.py -k "test_graph_replay_and_streaming and gpt_oss" &
+         run dsv3 tests/test_families_cuda.py -k "test_graph_replay_and_streaming and deepseek" &
+         wait
+         for n in 1 16; do
+             timeout 120 python3 tools/sweep_experts.py "$OUT/sweep$n.json" --formats nvfp4 \
+                 --variants mma-g4-d4-p5-c-l,tma-g1-d2-w --layers $n > "$OUT/sweep$n.txt" 2>&1
+         done
+         if [ $SECONDS -lt 400 ]; then
+             { python3 -m engine.synth glm-4.7-flash /tmp/glm &&
+               timeout $((580 - SECONDS)) python3 -m engine.bench gpu-stream --model /tmp/glm \
+                   --vram-gb 8 --ram-gb 32 --tokens 64 --prompt-len 512; } > "$OUT/glm_bench.txt" 2>&1
+         fi ;;
     bench) # engine.bench gpu-stream on the MLA presets at --vram-gb 8 (arenas from s21 if there)
          for m in glm:glm-4.7-flash dsl:deepseek-v2-lite; do
              d=/tmp/${m%%:*}
@@ -108,7 +124,7 @@ case "${1:-a}" in
                  >> "$OUT/${m%%:*}_bench.log" 2>&1
              echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/${m%%:*}_bench.log"
          done ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|bench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|bench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
