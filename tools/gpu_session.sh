@@ -116,6 +116,16 @@ case "${1:-a}" in
                timeout $((580 - SECONDS)) python3 -m engine.bench gpu-stream --model /tmp/glm \
                    --vram-gb 8 --ram-gb 32 --tokens 64 --prompt-len 512; } > "$OUT/glm_bench.txt" 2>&1
          fi ;;
+    s22b) # s22's two unfinished graph tests beside a GLM-4.7-Flash profile: the op profile and
+         # the all-resident decode of the synthetic arena (GPU times; the tests load the CPU)
+         run oss tests/test_families_cuda.py -k "test_graph_replay_and_streaming and gpt_oss" &
+         run dsv3 tests/test_families_cuda.py -k "test_graph_replay_and_streaming and deepseek" &
+         { [ -d /tmp/glm ] || python3 -m engine.synth glm-4.7-flash /tmp/glm > /dev/null 2>&1
+           timeout 200 python3 tools/op_profile.py /tmp/glm --vram-gb 40 --prompt-len 512 \
+               > "$OUT/glm_prof.txt" 2>&1
+           timeout 150 python3 -m engine.bench gpu-stream --model /tmp/glm --vram-gb 40 \
+               --ram-gb 32 --tokens 64 --prompt-len 512 > "$OUT/glm_res.txt" 2>&1; } &
+         wait ;;
     bench) # engine.bench gpu-stream on the MLA presets at --vram-gb 8 (arenas from s21 if there)
          for m in glm:glm-4.7-flash dsl:deepseek-v2-lite; do
              d=/tmp/${m%%:*}
@@ -124,7 +134,7 @@ case "${1:-a}" in
                  >> "$OUT/${m%%:*}_bench.log" 2>&1
              echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/${m%%:*}_bench.log"
          done ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|bench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|bench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do

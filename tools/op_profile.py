@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT / "asv_bench" / "benchmarks"))
 from bench_cuda import _time_ms  # noqa: E402  (warm once, then events around reps launches)
 
 REPS = 8
-MODULES = ("gpu_attention", "gpu_dense", "gpu_experts", "gpu_misc", "gpu_sampling", "gpu_deltanet")
+MODULES = ("gpu_attention", "gpu_dense", "gpu_experts", "gpu_misc", "gpu_sampling", "gpu_deltanet",
+           "gpu_mla")
 
 
 class Patched:
