@@ -31,8 +31,8 @@ import numpy as np
 from numba import cuda, float32, float64, int32
 
 from .gpu_attention import SPLIT, _piece, combine
-from .gpu_util import (NEG_INF, SIM, WARP, bf16_at, block_sum, cdiv, pdl_kernel, pdl_trigger, pdl_wait,
-                       putter, warp_sum)
+from .gpu_util import (NEG_INF, SIM, WARP, aligned, bf16_at, block_sum, cdiv, cp_async4, cp_async_wait,
+                       pdl_kernel, pdl_trigger, pdl_wait, putter, warp_max, warp_sum)
 
 PREP_THREADS = 32 if SIM else 128
 PREP_WARPS = PREP_THREADS // WARP   # (shared array sizes must be plain constants)
@@ -43,6 +43,20 @@ TT = 2 if SIM else 4            # tokens a block of the absorb kernels takes (pr
 GH = 8                          # attention: heads a block (the tile shares every row load)
 ATT_THREADS = 64 if SIM else 128
 KC = 4 if SIM else 32           # attention: keys a step
+# decode (T = 1) absorb kernels: every weight a thread reads is loaded, before the PDL wait, in
+# one unrolled round (the tiled kernels above load one row a loop step: a dependent HBM trip each)
+CPL = 4                         # consecutive kv_b columns a lane
+AQ1_WARPS = 2 if SIM else 16    # absorb_q1: warps a block, splitting a head's key rows
+AO1_WARPS = 2 if SIM else 8     # absorb_o1: warps a block
+AO1_ROWS = 2                    # absorb_o1: value rows a warp
+# staged attention: a block's G heads are its warps (the head's query in its lanes' registers);
+# each step's KS rows go to shared memory in one round of loads, the next step's in flight
+# while this one is scored
+KS = 2 if SIM else 16
+ATT_VARIANTS = ("staged", "tile")
+# the absorb kernels at T = 1 and the staged attention; False: the first (tiled) kernels
+# everywhere, kept to compare (tools/decode_ab.py --flag kernels_numba.gpu_mla.STAGED)
+STAGED = True
 
 
 @cuda.jit(device=True, inline=True)
@@ -158,8 +172,13 @@ _ABSORB_Q = {True: pdl_kernel(_make_absorb_q(_w_bf16)), False: pdl_kernel(_make_
 
 
 def absorb_q(q, kv_b, q_lat, stream):
-    t, hq, _ = q.shape
+    t, hq, qd = q.shape
     c = kv_b.shape[1]
+    if t == 1 and STAGED:
+        nope = qd - (q_lat.shape[2] - c)
+        _absorb1("q", kv_b.dtype == np.uint16, cdiv(nope, AQ1_WARPS))[
+            (hq, cdiv(c, WARP * CPL)), AQ1_WARPS * WARP, stream](q, kv_b, q_lat)
+        return
     _ABSORB_Q[kv_b.dtype == np.uint16][(cdiv(t, TT) * hq, cdiv(c, AQ_THREADS)), AQ_THREADS, stream](
         q, kv_b, q_lat)
 
@@ -203,8 +222,114 @@ _ABSORB_O = {True: pdl_kernel(_make_absorb_o(_w_bf16)), False: pdl_kernel(_make_
 def absorb_o(a, kv_b, out, stream):
     t, hq, v = out.shape
     nope = kv_b.shape[0] // hq - v
+    if t == 1 and STAGED:
+        _absorb1("o", kv_b.dtype == np.uint16, cdiv(kv_b.shape[1], WARP * CPL))[
+            cdiv(hq * v, AO1_WARPS * AO1_ROWS), AO1_WARPS * WARP, stream](a, kv_b, int32(nope), out)
+        return
     _ABSORB_O[kv_b.dtype == np.uint16][(cdiv(t, TT), cdiv(hq * v, AO_WARPS)), AO_THREADS, stream](
         a, kv_b, int32(nope), out)
+
+
+def _make_absorb_q1(elem, RPW):
+    """absorb_q at T = 1: grid (Hq, cdiv(C, WARP CPL)); warp w sums key rows w, w + AQ1_WARPS, ...
+    (RPW of them) over CPL columns a lane, the warps' sums meet in shared memory."""
+    CB = WARP * CPL
+    NW = AQ1_WARPS
+    NWV = RPW * CPL
+
+    @cuda.jit
+    def absorb_q1(q, kv_b, q_lat):
+        red = cuda.shared.array((NW, CB), float32)
+        _, Hq, QD = q.shape
+        C = kv_b.shape[1]
+        per = kv_b.shape[0] // Hq
+        nope = QD - (q_lat.shape[2] - C)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        w = tid // WARP
+        h = cuda.blockIdx.x
+        c0 = cuda.blockIdx.y * CB + lane * CPL
+        wv = cuda.local.array(NWV, float32)
+        for i in range(RPW):            # the weights: constant, so read before the wait
+            n = w + i * NW
+            for k in range(CPL):
+                wv[i * CPL + k] = elem(kv_b, h * per + n, c0 + k) if n < nope and c0 + k < C \
+                    else float32(0.0)
+        pdl_wait()
+        pdl_trigger()
+        acc = cuda.local.array(CPL, float32)
+        for k in range(CPL):
+            acc[k] = float32(0.0)
+        for i in range(RPW):
+            n = w + i * NW
+            if n < nope:
+                qv = q[0, h, n]
+                for k in range(CPL):
+                    acc[k] += qv * wv[i * CPL + k]
+        for k in range(CPL):
+            red[w, lane * CPL + k] = acc[k]
+        cuda.syncthreads()
+        if tid < CB:
+            c = cuda.blockIdx.y * CB + tid
+            s = float32(0.0)
+            for j in range(NW):
+                s += red[j, tid]
+            if c < C:
+                q_lat[0, h, c] = s
+    return absorb_q1
+
+
+def _make_absorb_o1(elem, NCH):
+    """absorb_o at T = 1: a warp AO1_ROWS value rows of kv_b, a lane NCH chunks of CPL
+    consecutive columns of each (all loaded before the wait), one warp sum a row."""
+    NR = AO1_ROWS * NCH * CPL
+    NT = AO1_WARPS * WARP
+
+    @cuda.jit
+    def absorb_o1(a, kv_b, nope, out):
+        red = cuda.shared.array(NT, float32)   # the simulator's warp sums
+        _, Hq, V = out.shape
+        C = a.shape[2]
+        per = kv_b.shape[0] // Hq
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        r0 = (cuda.blockIdx.x * AO1_WARPS + tid // WARP) * AO1_ROWS
+        wv = cuda.local.array(NR, float32)
+        for rr in range(AO1_ROWS):
+            r = r0 + rr
+            h = r // V
+            ok = r < Hq * V
+            for j in range(NCH):
+                for k in range(CPL):
+                    c = (j * WARP + lane) * CPL + k
+                    wv[(rr * NCH + j) * CPL + k] = elem(kv_b, h * per + nope + r - h * V, c) \
+                        if ok and c < C else float32(0.0)
+        pdl_wait()
+        pdl_trigger()
+        for rr in range(AO1_ROWS):      # every lane of the block reaches each sum (the simulator)
+            r = r0 + rr
+            h = min(r // V, Hq - 1)
+            s = float32(0.0)
+            for j in range(NCH):
+                for k in range(CPL):
+                    c = (j * WARP + lane) * CPL + k
+                    if c < C:
+                        s += a[0, h, c] * wv[(rr * NCH + j) * CPL + k]
+            s = warp_sum(s, red)
+            if lane == 0 and r < Hq * V:
+                out[0, r // V, r - (r // V) * V] = s
+    return absorb_o1
+
+
+_ABSORB1 = {}
+
+
+def _absorb1(kind: str, bf: bool, n: int):
+    key = (kind, bool(bf), n)
+    if key not in _ABSORB1:
+        make = _make_absorb_q1 if kind == "q" else _make_absorb_o1
+        _ABSORB1[key] = pdl_kernel(make(_w_bf16 if bf else _w_f32, n))
+    return _ABSORB1[key]
 
 
 def _make_partial(row, G, D, CPT):
@@ -319,10 +444,137 @@ def partial_kernel(bf: bool, g: int, d: int, c: int):
     return _PARTIAL[key]
 
 
-def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=SPLIT, gh=GH):
+def _make_staged(G, D, CPT):
+    """The staged partial kernel (float32 cache): G warps, warp g head h0 + g (its query in its
+    lanes' registers, lanes over D); a step's KS rows are copied into shared memory by cp.async
+    (16 bytes a copy, no registers held), scored (lane k keeps key k's score: the online softmax
+    stays in the warp), then a thread adds CPT value columns of each row for all G heads. The
+    first step's rows before q_pos[0] (not written by the launches just before) are requested
+    before the PDL wait."""
+    NT = G * WARP
+    DL = (D + WARP - 1) // WARP
+    GR = D // 4                       # 16-byte granules a row
+    KD = KS * D
+    GC = G * CPT
+
+    @cuda.jit
+    def staged(q, cache, q_pos, scale, window, split, cdim, pm, pl, pacc):
+        if SIM:                                      # (no alignment there)
+            ks = cuda.shared.array(KD, float32)
+        else:
+            ks = cuda.shared.array(KD, float32, alignment=16)
+        sc = cuda.shared.array((G, KS), float32)
+        fac = cuda.shared.array(G, float32)
+        red = cuda.shared.array(NT, float32)        # the simulator's warp sums
+        T, Hq, _ = q.shape
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        g = tid // WARP
+        ht = (Hq + G - 1) // G
+        t = cuda.blockIdx.x // ht
+        h0 = (cuda.blockIdx.x - t * ht) * G
+        p = cuda.blockIdx.y
+        P = pl.shape[1]
+        lo, n, piece = _piece(q_pos, t, window, split, P)
+        j0 = lo + p * piece
+        j1 = min(j0 + piece, lo + n)
+        if j0 >= j1:
+            return
+        fresh = q_pos[0]
+        for e in range(tid, KS * GR, NT):
+            kk = e // GR
+            j = j0 + kk
+            if j < j1 and j < fresh:
+                k4 = (e - kk * GR) * 4
+                cp_async4(ks, kk * D + k4, cache, j, 0, k4)
+        pdl_wait()
+        pdl_trigger()
+        for e in range(tid, KS * GR, NT):
+            kk = e // GR
+            j = j0 + kk
+            if j < j1 and j >= fresh:
+                k4 = (e - kk * GR) * 4
+                cp_async4(ks, kk * D + k4, cache, j, 0, k4)
+        hv = h0 + g < Hq
+        qr = cuda.local.array(DL, float32)
+        for i in range(DL):
+            d = lane + i * WARP
+            qr[i] = q[t, h0 + g, d] * scale if hv and d < D else float32(0.0)
+        acc = cuda.local.array(GC, float32)
+        for i in range(GC):
+            acc[i] = float32(0.0)
+        m = NEG_INF
+        lsum = float32(0.0)
+        for jb in range(j0, j1, KS):
+            if jb > j0:
+                cuda.syncthreads()                   # the last step's readers of ks are done
+                for e in range(tid, KS * GR, NT):
+                    kk = e // GR
+                    j = jb + kk
+                    if j < j1:
+                        k4 = (e - kk * GR) * 4
+                        cp_async4(ks, kk * D + k4, cache, j, 0, k4)
+            cp_async_wait()
+            cuda.syncthreads()
+            my = NEG_INF                             # rows past j1 are stale: masked here
+            for kk in range(KS):
+                part = float32(0.0)
+                for i in range(DL):
+                    d = lane + i * WARP
+                    if d < D:
+                        part += qr[i] * ks[kk * D + d]
+                s = warp_sum(part, red)
+                if lane == kk and jb + kk < j1:
+                    my = s
+            mx = warp_max(my, red)
+            m_new = max(m, mx)
+            f = math.exp(m - m_new)
+            ex = math.exp(my - m_new)
+            lsum = lsum * f + warp_sum(ex, red)
+            m = m_new
+            if lane < KS:
+                sc[g, lane] = ex
+            if lane == 0:
+                fac[g] = f
+            cuda.syncthreads()
+            for gg in range(G):
+                ff = fac[gg]
+                for ci in range(CPT):
+                    acc[gg * CPT + ci] *= ff
+            for kk in range(KS):
+                if jb + kk < j1:                     # and here (0 * a stale inf is nan)
+                    for ci in range(CPT):
+                        c = tid + ci * NT
+                        if c < cdim:
+                            v = ks[kk * D + c]
+                            for gg in range(G):
+                                acc[gg * CPT + ci] += sc[gg, kk] * v
+        r0 = t * Hq + h0
+        if lane == 0 and hv:
+            pm[r0 + g, p] = m
+            pl[r0 + g, p] = lsum
+        for gg in range(G):
+            if h0 + gg < Hq:
+                for ci in range(CPT):
+                    c = tid + ci * NT
+                    if c < cdim:
+                        pacc[r0 + gg, p, c] = acc[gg * CPT + ci]
+    return staged
+
+def staged_kernel(g: int, d: int, c: int):
+    cpt = cdiv(c, g * WARP)
+    key = ("staged", g, d, cpt)
+    if key not in _PARTIAL:
+        _PARTIAL[key] = pdl_kernel(_make_staged(g, d, cpt))
+    return _PARTIAL[key]
+
+
+def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=SPLIT, gh=GH, variant=None):
     """q_lat float32 [T, Hq, D], cache [S_max, 1, D] -> out float32 [T, Hq, C]: each head's
     softmax(scale q . row) over the rows j <= q_pos[t], times the rows' first C values.
-    partials: gpu_attention.alloc_partials(T, Hq, >= C, S_max); gh: heads a block."""
+    partials: gpu_attention.alloc_partials(T, Hq, >= C, S_max); gh: heads a block (at most);
+    variant: "staged" (float32 caches) or "tile" (the first kernel: bf16 caches, and kept to
+    compare); None: "staged" where it applies and STAGED is on."""
     t, hq, d = q_lat.shape
     c = out.shape[2]
     pm, pl, pacc = partials
@@ -332,8 +584,18 @@ def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=SPLIT, gh
                          f"(expected a cache [S, 1, {d}] and out [{t}, {hq}, <= {d}])")
     if pm.shape[0] < t * hq or pacc.shape[2] < c:
         raise ValueError(f"partials {pacc.shape} do not fit {t} queries x {hq} heads x {c} values")
-    g = max(1, min(gh, hq))
-    kern = partial_kernel(cache.dtype == np.uint16, g, d, c)
-    kern[(t * cdiv(hq, g), p), ATT_THREADS, stream](q_lat, cache, q_pos, float32(scale), int32(0),
-                                                   int32(split), int32(c), pm, pl, pacc)
+    bf = cache.dtype == np.uint16
+    variant = variant or ("staged" if STAGED and not bf and d % 4 == 0 and aligned(16, cache)
+                          else "tile")
+    if variant == "staged":
+        if bf or d % 4 or not aligned(16, cache):
+            raise ValueError(f"MLA attention staged: a float32 cache of 16-byte rows, not "
+                             f"{cache.dtype} {cache.shape}")
+        g = cdiv(hq, cdiv(hq, max(1, gh)))          # even tiles of at most gh heads
+        kern, threads = staged_kernel(g, d, c), g * WARP
+    else:
+        g = max(1, min(gh, hq))
+        kern, threads = partial_kernel(bf, g, d, c), ATT_THREADS
+    kern[(t * cdiv(hq, g), p), threads, stream](q_lat, cache, q_pos, float32(scale), int32(0),
+                                                int32(split), int32(c), pm, pl, pacc)
     combine(q_pos, 0, split, partials, out, stream)

@@ -80,7 +80,8 @@ def check_absorb(rng, t, hq, nope, v_dim, c_dim, r):
     kv_b = (rng.standard_normal((hq * (nope + v_dim), c_dim)) * 0.1).astype(np.float32)
     q = rng.standard_normal((t, hq, nope + r)).astype(np.float32)
     a = rng.standard_normal((t, hq, c_dim)).astype(np.float32)
-    for w in (kv_b, _bf16(kv_b)):
+    for w, t in ((kv_b, t), (_bf16(kv_b), t), (kv_b, 1), (_bf16(kv_b), 1)):   # t = 1: decode kernels
+        q, a = q[:t], a[:t]
         dw = cuda.to_device(w)
         q_lat = cuda.to_device(np.full((t, hq, c_dim + r), np.nan, np.float32))
         gml.absorb_q(cuda.to_device(q), dw, q_lat, stream)
@@ -88,9 +89,9 @@ def check_absorb(rng, t, hq, nope, v_dim, c_dim, r):
         gml.absorb_o(cuda.to_device(a), dw, out, stream)
         stream.synchronize()
         got = q_lat.copy_to_host()
-        _close(got[:, :, :c_dim], ref.mla_absorb_q(q[:, :, :nope], w), 1e-5, f"absorb_q {w.dtype}")
+        _close(got[:, :, :c_dim], ref.mla_absorb_q(q[:, :, :nope], w), 1e-5, f"absorb_q {w.dtype} t={t}")
         assert np.isnan(got[:, :, c_dim:]).all(), "absorb_q wrote the rotary part"
-        _close(out.copy_to_host(), ref.mla_absorb_o(a, w, v_dim), 1e-5, f"absorb_o {w.dtype}")
+        _close(out.copy_to_host(), ref.mla_absorb_o(a, w, v_dim), 1e-5, f"absorb_o {w.dtype} t={t}")
 
 
 def check_attention(rng, hq, c_dim, r, s_max, split, t_prefill, gh):
@@ -113,12 +114,14 @@ def check_attention(rng, hq, c_dim, r, s_max, split, t_prefill, gh):
             for p0 in positions:
                 qp = (np.arange(t, dtype=np.int32) + s_max - t) if p0 is None else np.array([p0], np.int32)
                 q = rng.standard_normal((t, hq, d)).astype(np.float32)
-                out = cuda.to_device(np.full((t, hq, c_dim), np.nan, np.float32))
-                gml.attention(cuda.to_device(q), dc, cuda.to_device(qp), scale, out, parts, stream,
-                              split=split, gh=gh)
-                stream.synchronize()
                 want = ref.attention(q, rows, rows, qp, scale)[:, :, :c_dim]
-                _close(out.copy_to_host(), want, 1e-5, f"MLA attention bf16={bf} t={t} pos={qp[-1]}")
+                for variant in ("tile",) if bf else gml.ATT_VARIANTS:   # staged: float32 caches
+                    out = cuda.to_device(np.full((t, hq, c_dim), np.nan, np.float32))
+                    gml.attention(cuda.to_device(q), dc, cuda.to_device(qp), scale, out, parts,
+                                  stream, split=split, gh=gh, variant=variant)
+                    stream.synchronize()
+                    _close(out.copy_to_host(), want, 1e-5,
+                           f"MLA attention {variant} bf16={bf} t={t} pos={qp[-1]}")
 
 
 def check_router_group_softmax(rng, t, e, k, n_group, topk_group):
@@ -150,7 +153,8 @@ def run_sim_checks() -> None:
     rng = np.random.default_rng()
     check_prep(rng, t=3, hq=3, nope=6, r=4, c_dim=40, s_max=9)   # C over a block: a strided norm
     check_absorb(rng, t=3, hq=3, nope=5, v_dim=6, c_dim=36, r=4)  # C past one block of columns
-    # 3 heads in tiles of 2; 11 rows in pieces of 2+ keys, steps of 4 keys (SIM's KC)
+    # 3 heads in tiles of 2; 11 rows in pieces of 2+ keys, steps of 4 keys (SIM's KC; the
+    # staged kernel's KS: 2)
     check_attention(rng, hq=3, c_dim=12, r=4, s_max=11, split=2, t_prefill=3, gh=2)
     check_router_group_softmax(rng, t=24, e=40, k=4, n_group=8, topk_group=3)   # two a lane
     print("SIM MLA CHECKS PASSED", flush=True)

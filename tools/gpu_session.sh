@@ -126,6 +126,25 @@ case "${1:-a}" in
            timeout 150 python3 -m engine.bench gpu-stream --model /tmp/glm --vram-gb 40 \
                --ram-gb 32 --tokens 64 --prompt-len 512 > "$OUT/glm_res.txt" 2>&1; } &
          wait ;;
+    s22c) # the MLA decode kernels (staged attention, the T = 1 absorb kernels): their tests and
+         # the MLA families' on cuda, beside the kernel sweep and GLM-4.7-Flash's decode with
+         # gml.STAGED on and off (one process, all resident)
+         run mla tests/test_mla_cuda.py &
+         run fam tests/test_families_cuda.py -k "deepseek or lite" &
+         { timeout 150 python3 tools/sweep_mla.py "$OUT/sweep_mla.json" > "$OUT/sweep_mla.txt" 2>&1
+           [ -d /tmp/glm ] || python3 -m engine.synth glm-4.7-flash /tmp/glm > /dev/null 2>&1
+           timeout $((LIMIT - SECONDS)) python3 tools/decode_ab.py /tmp/glm \
+               --flag kernels_numba.gpu_mla.STAGED --vram-gb 40 --tokens 64 --prompt-len 512 \
+               --rounds 2 --out "$OUT/ab.json" > "$OUT/ab.txt" 2>&1; } &
+         wait ;;
+    s22d) # s22c again on the cp.async staged attention, without the families' tests
+         run mla tests/test_mla_cuda.py &
+         { timeout 100 python3 tools/sweep_mla.py "$OUT/sweep_mla.json" > "$OUT/sweep_mla.txt" 2>&1
+           [ -d /tmp/glm ] || python3 -m engine.synth glm-4.7-flash /tmp/glm > /dev/null 2>&1
+           timeout $((LIMIT - SECONDS)) python3 tools/decode_ab.py /tmp/glm \
+               --flag kernels_numba.gpu_mla.STAGED --vram-gb 40 --tokens 64 --prompt-len 512 \
+               --rounds 2 --out "$OUT/ab.json" > "$OUT/ab.txt" 2>&1; } &
+         wait ;;
     bench) # engine.bench gpu-stream on the MLA presets at --vram-gb 8 (arenas from s21 if there)
          for m in glm:glm-4.7-flash dsl:deepseek-v2-lite; do
              d=/tmp/${m%%:*}
@@ -134,7 +153,7 @@ case "${1:-a}" in
                  >> "$OUT/${m%%:*}_bench.log" 2>&1
              echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/${m%%:*}_bench.log"
          done ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|bench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|bench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
