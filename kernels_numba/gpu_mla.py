@@ -30,9 +30,9 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32
 
-from .gpu_attention import SPLIT, _piece, combine
+from .gpu_attention import SPLIT, _piece, _shfl_xor, combine
 from .gpu_util import (NEG_INF, SIM, WARP, aligned, bf16_at, block_sum, cdiv, cp_async4, cp_async_wait,
-                       pdl_kernel, pdl_trigger, pdl_wait, putter, warp_max, warp_sum)
+                       lds4, pdl_kernel, pdl_trigger, pdl_wait, putter, warp_sum)
 
 PREP_THREADS = 32 if SIM else 128
 PREP_WARPS = PREP_THREADS // WARP   # (shared array sizes must be plain constants)
@@ -50,13 +50,17 @@ AQ1_WARPS = 2 if SIM else 16    # absorb_q1: warps a block, splitting a head's k
 AO1_WARPS = 2 if SIM else 8     # absorb_o1: warps a block
 AO1_ROWS = 2                    # absorb_o1: value rows a warp
 # staged attention: a block's G heads are its warps (the head's query in its lanes' registers);
-# each step's KS rows go to shared memory in one round of loads, the next step's in flight
-# while this one is scored
-KS = 2 if SIM else 16
+# each step's KS rows go to shared memory in one round of cp.async copies
+KS = 2 if SIM else 16           # keys a step (a power of 2, at most 32)
+STAGED_GH = 8                   # heads a block (at most: even tiles)
+STAGED_SPLIT = SPLIT            # fewest keys a block (pieces grow to fit the partials' P)
 ATT_VARIANTS = ("staged", "tile")
-# the absorb kernels at T = 1 and the staged attention; False: the first (tiled) kernels
-# everywhere, kept to compare (tools/decode_ab.py --flag kernels_numba.gpu_mla.STAGED)
+# the absorb kernels at T = 1; False: the tiled ones at every T, kept to compare
+# (tools/decode_ab.py --flag kernels_numba.gpu_mla.STAGED)
 STAGED = True
+# the staged attention where it applies (float32 caches); False: the tiled kernel
+# (tools/decode_ab.py --flag kernels_numba.gpu_mla.STAGED_ATT)
+STAGED_ATT = True
 
 
 @cuda.jit(device=True, inline=True)
@@ -444,18 +448,38 @@ def partial_kernel(bf: bool, g: int, d: int, c: int):
     return _PARTIAL[key]
 
 
-def _make_staged(G, D, CPT):
-    """The staged partial kernel (float32 cache): G warps, warp g head h0 + g (its query in its
-    lanes' registers, lanes over D); a step's KS rows are copied into shared memory by cp.async
-    (16 bytes a copy, no registers held), scored (lane k keeps key k's score: the online softmax
-    stays in the warp), then a thread adds CPT value columns of each row for all G heads. The
-    first step's rows before q_pos[0] (not written by the launches just before) are requested
-    before the PDL wait."""
+def _value_split(G, C):
+    """(HS, GPT, TPS, CPT4): the staged kernel's value phase splits its G heads into HS slices
+    of GPT heads (HS the largest divisor of G that leaves each slice a thread a 4-column
+    granule, where there are threads enough), a slice's TPS threads taking CPT4 granules each."""
+    nt, grc = G * WARP, cdiv(C, 4)
+    hs = max(d for d in range(1, G + 1) if G % d == 0 and d <= max(1, nt // grc))
+    return hs, G // hs, nt // hs, cdiv(grc, nt // hs)
+
+
+def _make_staged(G, D, C):
+    """The staged partial kernel (float32 cache, D % 4 == 0): G warps, warp g scoring head h0 + g
+    (its scaled query in its lanes' registers, 16-byte granules lane, lane + 32, ...); a step's
+    KS rows go to shared memory by cp.async in one round (no registers held; rows past the
+    piece repeat its last row, so every value read is finite and weighs 0), each lane sums its
+    granules' dots for all KS keys (unrolled, 16-byte shared loads), one transposed warp
+    reduction (KS - 1 + 5 - log2 KS shuffles) leaves key lane >> SH's score in the lane, the
+    online softmax stays in the warp; then the values: head slices x 4-column granules
+    (_value_split), each thread its heads' probabilities from shared memory. The first step's
+    rows before q_pos[0] (no launch just before writes them) are requested before the PDL wait."""
     NT = G * WARP
-    DL = (D + WARP - 1) // WARP
     GR = D // 4                       # 16-byte granules a row
+    QI = cdiv(GR, WARP)               # granules of the query a lane holds
+    QV = QI * 4
+    GRC = cdiv(C, 4)                  # granules of the values
+    HS, GPT, TPS, CPT4 = _value_split(G, C)
+    NA = GPT * CPT4 * 4
     KD = KS * D
-    GC = G * CPT
+    GK = G * KS
+    LN = KS.bit_length() - 1          # log2 KS
+    SH = 5 - LN                       # lane >> SH: the key whose score the lane ends with
+    DUP = (1 << SH) - 1               # lanes holding the same key: the one with these bits 0
+    RED = 3 * NT if SIM else 1        # the simulator's shuffles (gpu_attention._shfl_xor)
 
     @cuda.jit
     def staged(q, cache, q_pos, scale, window, split, cdim, pm, pl, pacc):
@@ -463,9 +487,9 @@ def _make_staged(G, D, CPT):
             ks = cuda.shared.array(KD, float32)
         else:
             ks = cuda.shared.array(KD, float32, alignment=16)
-        sc = cuda.shared.array((G, KS), float32)
-        fac = cuda.shared.array(G, float32)
-        red = cuda.shared.array(NT, float32)        # the simulator's warp sums
+        sp = cuda.shared.array(GK, float32)     # a step's probabilities, head-major
+        fac = cuda.shared.array(G, float32)         # a step's correction, a head
+        red = cuda.shared.array(RED, float32)
         T, Hq, _ = q.shape
         tid = cuda.threadIdx.x
         lane = tid % WARP
@@ -480,29 +504,36 @@ def _make_staged(G, D, CPT):
         j1 = min(j0 + piece, lo + n)
         if j0 >= j1:
             return
+        if SIM:
+            red[2 * NT + tid] = float32(0.0)
         fresh = q_pos[0]
         for e in range(tid, KS * GR, NT):
             kk = e // GR
-            j = j0 + kk
-            if j < j1 and j < fresh:
+            j = min(j0 + kk, j1 - 1)
+            if j < fresh:
                 k4 = (e - kk * GR) * 4
                 cp_async4(ks, kk * D + k4, cache, j, 0, k4)
         pdl_wait()
         pdl_trigger()
         for e in range(tid, KS * GR, NT):
             kk = e // GR
-            j = j0 + kk
-            if j < j1 and j >= fresh:
+            j = min(j0 + kk, j1 - 1)
+            if j >= fresh:
                 k4 = (e - kk * GR) * 4
                 cp_async4(ks, kk * D + k4, cache, j, 0, k4)
         hv = h0 + g < Hq
-        qr = cuda.local.array(DL, float32)
-        for i in range(DL):
-            d = lane + i * WARP
-            qr[i] = q[t, h0 + g, d] * scale if hv and d < D else float32(0.0)
-        acc = cuda.local.array(GC, float32)
-        for i in range(GC):
+        hg = min(h0 + g, Hq - 1)
+        qv = cuda.local.array(QV, float32)
+        for i in range(QI):
+            gr = lane + i * WARP
+            for e in range(4):
+                qv[i * 4 + e] = q[t, hg, gr * 4 + e] * scale if gr < GR else float32(0.0)
+        acc = cuda.local.array(NA, float32)
+        for i in range(NA):
             acc[i] = float32(0.0)
+        s = cuda.local.array(KS, float32)
+        sl = tid % HS                                # value phase: head slice, first granule
+        gi0 = tid // HS
         m = NEG_INF
         lsum = float32(0.0)
         for jb in range(j0, j1, KS):
@@ -510,71 +541,94 @@ def _make_staged(G, D, CPT):
                 cuda.syncthreads()                   # the last step's readers of ks are done
                 for e in range(tid, KS * GR, NT):
                     kk = e // GR
-                    j = jb + kk
-                    if j < j1:
-                        k4 = (e - kk * GR) * 4
-                        cp_async4(ks, kk * D + k4, cache, j, 0, k4)
+                    j = min(jb + kk, j1 - 1)
+                    k4 = (e - kk * GR) * 4
+                    cp_async4(ks, kk * D + k4, cache, j, 0, k4)
             cp_async_wait()
             cuda.syncthreads()
-            my = NEG_INF                             # rows past j1 are stale: masked here
             for kk in range(KS):
-                part = float32(0.0)
-                for i in range(DL):
-                    d = lane + i * WARP
-                    if d < D:
-                        part += qr[i] * ks[kk * D + d]
-                s = warp_sum(part, red)
-                if lane == kk and jb + kk < j1:
-                    my = s
-            mx = warp_max(my, red)
+                a = float32(0.0)
+                for i in range(QI):
+                    gr = min(lane + i * WARP, GR - 1)   # (past GR the query is 0)
+                    x0, x1, x2, x3 = lds4(ks, kk * D + gr * 4)
+                    a += qv[i * 4] * x0 + qv[i * 4 + 1] * x1 + qv[i * 4 + 2] * x2 + qv[i * 4 + 3] * x3
+                s[kk] = a
+            for b in range(LN):                      # keep the half picked by the lane's bit
+                off = 16 >> b
+                half = KS >> (b + 1)
+                up = (lane & off) != 0
+                for x in range(half):
+                    lo_ = s[x]
+                    hi_ = s[x + half]
+                    s[x] = (hi_ if up else lo_) + _shfl_xor(lo_ if up else hi_, off, red)
+            sc = s[0]
+            for b in range(LN, 5):                   # lanes that hold the same key
+                sc += _shfl_xor(sc, 16 >> b, red)
+            key = lane >> SH
+            if jb + key >= j1:
+                sc = NEG_INF
+            mx = sc
+            for b in range(5):
+                mx = max(mx, _shfl_xor(mx, 1 << b, red))
             m_new = max(m, mx)
             f = math.exp(m - m_new)
-            ex = math.exp(my - m_new)
-            lsum = lsum * f + warp_sum(ex, red)
+            pe = math.exp(sc - m_new)
+            ps = pe if (lane & DUP) == 0 else float32(0.0)
+            for b in range(5):
+                ps += _shfl_xor(ps, 1 << b, red)
+            lsum = lsum * f + ps
             m = m_new
-            if lane < KS:
-                sc[g, lane] = ex
+            if (lane & DUP) == 0:
+                sp[g * KS + key] = pe
             if lane == 0:
                 fac[g] = f
             cuda.syncthreads()
-            for gg in range(G):
-                ff = fac[gg]
-                for ci in range(CPT):
-                    acc[gg * CPT + ci] *= ff
+            for gg in range(GPT):
+                ff = fac[sl * GPT + gg]
+                for x in range(CPT4 * 4):
+                    acc[gg * CPT4 * 4 + x] *= ff
             for kk in range(KS):
-                if jb + kk < j1:                     # and here (0 * a stale inf is nan)
-                    for ci in range(CPT):
-                        c = tid + ci * NT
-                        if c < cdim:
-                            v = ks[kk * D + c]
-                            for gg in range(G):
-                                acc[gg * CPT + ci] += sc[gg, kk] * v
+                for ci in range(CPT4):
+                    gr = min(gi0 + ci * TPS, GRC - 1)   # (past GRC: not written out)
+                    x0, x1, x2, x3 = lds4(ks, kk * D + gr * 4)
+                    for gg in range(GPT):
+                        pr = sp[(sl * GPT + gg) * KS + kk]
+                        o = (gg * CPT4 + ci) * 4
+                        acc[o] += pr * x0
+                        acc[o + 1] += pr * x1
+                        acc[o + 2] += pr * x2
+                        acc[o + 3] += pr * x3
         r0 = t * Hq + h0
         if lane == 0 and hv:
             pm[r0 + g, p] = m
             pl[r0 + g, p] = lsum
-        for gg in range(G):
-            if h0 + gg < Hq:
-                for ci in range(CPT):
-                    c = tid + ci * NT
-                    if c < cdim:
-                        pacc[r0 + gg, p, c] = acc[gg * CPT + ci]
+        for gg in range(GPT):
+            hh = sl * GPT + gg
+            if h0 + hh < Hq:
+                for ci in range(CPT4):
+                    gr = gi0 + ci * TPS
+                    if gr < GRC:
+                        for e in range(4):
+                            c = gr * 4 + e
+                            if c < cdim:
+                                pacc[r0 + hh, p, c] = acc[(gg * CPT4 + ci) * 4 + e]
     return staged
 
+
 def staged_kernel(g: int, d: int, c: int):
-    cpt = cdiv(c, g * WARP)
-    key = ("staged", g, d, cpt)
+    key = ("staged", g, d, c)
     if key not in _PARTIAL:
-        _PARTIAL[key] = pdl_kernel(_make_staged(g, d, cpt))
+        _PARTIAL[key] = pdl_kernel(_make_staged(g, d, c))
     return _PARTIAL[key]
 
 
-def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=SPLIT, gh=GH, variant=None):
+def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=None, gh=None, variant=None):
     """q_lat float32 [T, Hq, D], cache [S_max, 1, D] -> out float32 [T, Hq, C]: each head's
     softmax(scale q . row) over the rows j <= q_pos[t], times the rows' first C values.
     partials: gpu_attention.alloc_partials(T, Hq, >= C, S_max); gh: heads a block (at most);
-    variant: "staged" (float32 caches) or "tile" (the first kernel: bf16 caches, and kept to
-    compare); None: "staged" where it applies and STAGED is on."""
+    split: fewest keys a block; variant: "staged" (float32 caches) or "tile" (the first kernel:
+    bf16 caches, and kept to compare); None: "staged" where it applies and STAGED_ATT is on.
+    gh and split default to the variant's (STAGED_GH / STAGED_SPLIT, GH / SPLIT)."""
     t, hq, d = q_lat.shape
     c = out.shape[2]
     pm, pl, pacc = partials
@@ -585,9 +639,12 @@ def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=SPLIT, gh
     if pm.shape[0] < t * hq or pacc.shape[2] < c:
         raise ValueError(f"partials {pacc.shape} do not fit {t} queries x {hq} heads x {c} values")
     bf = cache.dtype == np.uint16
-    variant = variant or ("staged" if STAGED and not bf and d % 4 == 0 and aligned(16, cache)
+    variant = variant or ("staged" if STAGED_ATT and not bf and d % 4 == 0 and aligned(16, cache)
                           else "tile")
-    if variant == "staged":
+    staged = variant == "staged"
+    gh = gh or (STAGED_GH if staged else GH)
+    split = split or (STAGED_SPLIT if staged else SPLIT)
+    if staged:
         if bf or d % 4 or not aligned(16, cache):
             raise ValueError(f"MLA attention staged: a float32 cache of 16-byte rows, not "
                              f"{cache.dtype} {cache.shape}")

@@ -1,7 +1,7 @@
 """Decode tokens/s with a kernel module's boolean switch on and off, in one process (GPU machine).
 
     python3 tools/decode_ab.py MODEL --flag kernels_numba.gpu_dense.LIN_PREFETCH [--vram-gb 40]
-        [--tokens 128] [--prompt-len 2048] [--rounds 3] [--out F.json]
+        [--tokens 128] [--prompt-len 2048] [--rounds 3] [--out F.json] [--set module.ATTR=INT ...]
 
 The model loads once; each round decodes the same sampled continuation of one random prompt
 with the switch True, then False (the order alternates round to round, so drift in the
@@ -34,8 +34,17 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--set", action="append", default=[], metavar="module.ATTR=INT",
+                    help="a module-level int set before loading (both arms), e.g. a kernel's tile")
     a = ap.parse_args(argv)
     import engine
+    for kv in a.set:
+        name, _, value = kv.partition("=")
+        m_name, m_attr = name.rsplit(".", 1)
+        m_mod = importlib.import_module(m_name)
+        if not isinstance(getattr(m_mod, m_attr, None), int) or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--set {kv}: expected module.ATTR=INT for a module-level int")
+        setattr(m_mod, m_attr, int(value))
     mod_name, attr = a.flag.rsplit(".", 1)
     mod = importlib.import_module(mod_name)
     if not isinstance(getattr(mod, attr), bool):

@@ -145,6 +145,25 @@ case "${1:-a}" in
                --flag kernels_numba.gpu_mla.STAGED --vram-gb 40 --tokens 64 --prompt-len 512 \
                --rounds 2 --out "$OUT/ab.json" > "$OUT/ab.txt" 2>&1; } &
          wait ;;
+    s23) # the lean staged MLA attention: its tests beside the gh x split grid (three shapes, two
+         # positions), then GLM-4.7-Flash's decode with it on and off (all resident) at the
+         # grid's best (gh, split) for glm-4.7-flash (summed over the positions)
+         run mla tests/test_mla_cuda.py &
+         { timeout 200 python3 tools/sweep_mla.py "$OUT/grid.json" --grid > "$OUT/grid.txt" 2>&1
+           best=$(python3 -c "
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))['rows'] if r['variant'] == 'staged' and r['shape'] == 'glm-4.7-flash']
+t = {}
+for r in rows:
+    t[r['gh'], r['split']] = t.get((r['gh'], r['split']), 0) + r['us']
+print('--set kernels_numba.gpu_mla.STAGED_GH=%d --set kernels_numba.gpu_mla.STAGED_SPLIT=%d' % min(t, key=t.get))
+" "$OUT/grid.json")
+           echo "best: $best" >> "$OUT/grid.txt"
+           [ -d /tmp/glm ] || python3 -m engine.synth glm-4.7-flash /tmp/glm > /dev/null 2>&1
+           timeout $((LIMIT - SECONDS)) python3 tools/decode_ab.py /tmp/glm $best \
+               --flag kernels_numba.gpu_mla.STAGED_ATT --vram-gb 40 --tokens 64 --prompt-len 512 \
+               --rounds 2 --out "$OUT/ab.json" > "$OUT/ab.txt" 2>&1; } &
+         wait ;;
     bench) # engine.bench gpu-stream on the MLA presets at --vram-gb 8 (arenas from s21 if there)
          for m in glm:glm-4.7-flash dsl:deepseek-v2-lite; do
              d=/tmp/${m%%:*}
@@ -153,7 +172,7 @@ case "${1:-a}" in
                  >> "$OUT/${m%%:*}_bench.log" 2>&1
              echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/${m%%:*}_bench.log"
          done ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|bench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|bench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do

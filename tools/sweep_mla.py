@@ -1,5 +1,6 @@
 """Time the MLA decode kernels (kernels_numba/gpu_mla.py) at T = 1, the staged ones against the
-first (tiled) ones (gml.STAGED), replayed in CUDA graphs, next to the d2d copy bandwidth.
+first (tiled) ones (gml.STAGED, gml.STAGED_ATT), replayed in CUDA graphs, next to the d2d copy
+bandwidth.
 
 For each shape: L layers of bf16 kv_b and float32 latent caches (distinct arrays, more bytes than
 the L2, so each replay reads from HBM); one graph a kernel and variant of its L launches; us a
@@ -7,6 +8,10 @@ launch; the bytes it must read (kv_b's half, or the cache rows up to the positio
 ratio of copy. Outputs of the two variants are compared (max relative difference).
 
     python3 tools/sweep_mla.py OUT.json [--pos 530,4095] [--layers 16]
+    python3 tools/sweep_mla.py OUT.json --grid [--gh 2,4,5,8,10] [--split 16,32,64]
+
+--grid: the attention alone, the tiled kernel (its defaults) against the staged one at each
+heads-a-block (gh) and fewest-keys-a-block (split), and the combine launch alone.
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ def main() -> int:
     ap.add_argument("--pos", default="530,4095")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--grid", action="store_true")
+    ap.add_argument("--gh", default="2,4,5,8,10")
+    ap.add_argument("--split", default="16,32,64")
     a = ap.parse_args()
     from kernels_numba import gpu_attention as ga
     from kernels_numba import gpu_mla as gml
@@ -59,6 +67,9 @@ def main() -> int:
         parts = ga.alloc_partials(1, hq, d, S_MAX)
         for pos in [int(x) for x in a.pos.split(",")]:
             qp = cuda.to_device(np.array([pos], np.int32))
+            if a.grid:
+                rows += grid(a, name, pos, q_lat, caches, qp, lat, parts, stream, bw)
+                continue
             ops = {
                 "absorb_q": (lambda st: [gml.absorb_q(q, kvb[i], q_lat, st) for i in range(L)],
                              hq * nope * C * 2, q_lat),
@@ -72,10 +83,10 @@ def main() -> int:
                     continue                       # the absorb kernels do not depend on pos
                 res = {}
                 for staged in (False, True):
-                    gml.STAGED = staged
+                    gml.STAGED = gml.STAGED_ATT = staged
                     us = time_graph_us(fn, stream, L)
                     res[staged] = (us, out.copy_to_host())
-                gml.STAGED = True
+                gml.STAGED = gml.STAGED_ATT = True
                 ref = res[False][1]
                 diff = float(np.abs(res[True][1] - ref).max() / max(np.abs(ref).max(), 1e-30))
                 row = dict(shape=name, pos=pos, op=op, us_tiled=res[False][0],
@@ -86,6 +97,36 @@ def main() -> int:
                       f"diff {diff:.1e}", flush=True)
     Path(a.out).write_text(json.dumps(dict(copy_gbs=bw, rows=rows), indent=1))
     return 0
+
+
+def grid(a, name, pos, q_lat, caches, qp, lat, parts, stream, bw):
+    from kernels_numba import gpu_attention as ga
+    from kernels_numba import gpu_mla as gml
+    L, d = len(caches), C + R
+    nbytes = (pos + 1) * d * 4
+
+    def run(variant, gh, split):
+        fn = lambda st: [gml.attention(q_lat, caches[i], qp, 0.1, lat, parts, st, split=split,  # noqa: E731
+                                       gh=gh, variant=variant) for i in range(L)]
+        us = time_graph_us(fn, stream, L)
+        return us, lat.copy_to_host()
+
+    out = []
+    ref_us, ref = run("tile", gml.GH, 32)
+    comb = time_graph_us(lambda st: [ga.combine(qp, 0, 32, parts, lat, st) for _ in range(L)], stream, L)
+    print(f"{name:17s} pos {pos:5d} tile gh {gml.GH} split 32: {ref_us:7.2f} us "
+          f"({nbytes / ref_us / 1e3 / bw:.2f} of copy); combine alone {comb:.2f} us", flush=True)
+    out.append(dict(shape=name, pos=pos, variant="tile", gh=gml.GH, split=32, us=ref_us,
+                    combine_us=comb, bytes=nbytes, copy_gbs=bw))
+    for gh in [int(x) for x in a.gh.split(",")]:
+        for split in [int(x) for x in a.split.split(",")]:
+            us, got = run("staged", gh, split)
+            diff = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+            print(f"{name:17s} pos {pos:5d} staged gh {gh:2d} split {split:3d}: {us:7.2f} us "
+                  f"({nbytes / us / 1e3 / bw:.2f} of copy) diff {diff:.1e}", flush=True)
+            out.append(dict(shape=name, pos=pos, variant="staged", gh=gh, split=split, us=us,
+                            bytes=nbytes, copy_gbs=bw, diff=diff))
+    return out
 
 
 if __name__ == "__main__":
