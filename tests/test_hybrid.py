@@ -95,6 +95,24 @@ def hf_logits(model, ids) -> np.ndarray:
         return model(input_ids=torch.tensor(ids)[None]).logits[0].float().numpy()
 
 
+def assert_matches_reference(got, model, ids, tol=1e-4) -> None:
+    """The engine's float32 logits against transformers run in float64 on the same weights.
+
+    Some draws of the widened random weights amplify float32 rounding (a DeltaNet state near
+    cancellation): then transformers' own float32 run misses float64 by ~1e-4 as well. The bound
+    is tol, or 3x transformers' float32 error on this draw where that is larger, so a real bug
+    (errors of 1e-2 and up) still fails and an ill-conditioned draw does not.
+    """
+    import copy
+    ref = copy.deepcopy(model).double()
+    ref.set_experts_implementation("eager")   # the grouped-mm path has no float64
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+    bound = max(tol, 3 * rel_err(hf_logits(model, ids), want))
+    err = rel_err(got, want)
+    assert err < bound, f"engine vs transformers (float64): rel err {err:.3g} >= {bound:.3g}"
+
+
 # ---- the engine against transformers -------------------------------------------------------
 
 L, F = "linear_attention", "full_attention"
@@ -119,10 +137,9 @@ def test_logits_and_greedy_match_transformers(tmp_path, family, over):
     hf = build(tmp_path, family, **over)
     m = engine.load(tmp_path, device="cpu")
     ids = ids_for(16)
-    want = hf_logits(hf, ids)
     got = m.logits(ids)
-    assert got.shape == want.shape
-    assert rel_err(got, want) < 1e-4
+    assert got.shape == (len(ids), BASE["vocab_size"])
+    assert_matches_reference(got, hf, ids)
     res = m.generate(ids[:5].tolist(), max_new_tokens=32, temperature=0)
     assert_greedy(hf, ids[:5].tolist(), res.output_ids, 32)
 
@@ -146,7 +163,7 @@ def test_prefill_equals_token_by_token_decode(tmp_path):
     # the states too (the projections differ in the last bit: gemm at prefill, matvec per token)
     for a, b in ((st.ssm, st1.ssm), (st.conv, st1.conv), (st.k, st1.k)):
         assert rel_err(a, b) < 1e-5
-    assert rel_err(prefill, hf_logits(hf, ids)) < 1e-4
+    assert_matches_reference(prefill, hf, ids)
 
 
 def test_qwen35_wrapper_skips_vision_and_mtp(tmp_path, capfd):
@@ -169,7 +186,7 @@ def test_qwen35_wrapper_skips_vision_and_mtp(tmp_path, capfd):
     assert m.config.family == "qwen3_5_moe"
     assert not any(n.startswith(("model.visual.", "mtp.")) for n in m.consumed)
     ids = ids_for(16)
-    assert rel_err(m.logits(ids), hf_logits(hf, ids)) < 1e-4
+    assert_matches_reference(m.logits(ids), hf, ids)
 
 
 def test_bf16_wrapper_packs_and_streams(tmp_path):
@@ -181,7 +198,7 @@ def test_bf16_wrapper_packs_and_streams(tmp_path):
     pack(src, tmp_path / "packed", "bf16", progress=False)
     ids = ids_for(16)
     a = engine.load(src, device="cpu")
-    assert rel_err(a.logits(ids), hf_logits(hf, ids)) < 1e-4
+    assert_matches_reference(a.logits(ids), hf, ids)
     b = engine.load(tmp_path / "packed", device="cpu")
     assert b.experts.stats()["source"] == "arena"
     want = a.generate(ids[:5].tolist(), max_new_tokens=16).output_ids
