@@ -284,6 +284,10 @@ class GpuDecoder:
             d = self._w[k] = cuda.to_device(np.ascontiguousarray(a), stream=self.cs)
         return d
 
+    def _canon(self, key: str) -> str:
+        """The device weight that holds key's rows (a fused matrix, or key itself)."""
+        return "qkv" if self.fuse_qkv and key in _QKV else key
+
     def _host_array(self, key: str, layer: int | None) -> np.ndarray:
         """The host array behind a device weight (q | k | v fused, 1-D bf16 widened)."""
         if key == "qkv":
@@ -302,8 +306,7 @@ class GpuDecoder:
         packs: dict = {}
         for key, layer in keys:
             if layer in self._dslot:
-                canon = "qkv" if self.fuse_qkv and key in _QKV else key
-                packs.setdefault(layer, dict.fromkeys(()))[canon] = None
+                packs.setdefault(layer, dict.fromkeys(()))[self._canon(key)] = None
             else:
                 self.w(key, layer)
         for layer, ks in packs.items():

@@ -69,7 +69,8 @@ def _extra_floats(c, t: int) -> int:
     attention output, which MLA does without: at V3's shapes the latter is 128 x 576 floats a
     token)."""
     qd = c.n_heads * (c.qk_nope_dim + c.qk_rope_dim)
-    return t * (c.q_lora_rank + qd + c.n_heads * (c.kv_lora_rank + c.v_head_dim) - c.q_dim - c.kv_dim)
+    return t * (c.q_lora_rank + qd + c.n_heads * (c.kv_lora_rank + c.v_head_dim) - c.q_dim - c.kv_dim) \
+        + (c.q_lora_rank + c.kv_dim if fuse_qa(c) else 0)
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
@@ -87,6 +88,12 @@ def state_bytes(c, max_context: int, kv_itemsize: int = 4) -> int:
     return kv_itemsize * c.n_layers * max_context * c.kv_dim
 
 
+def fuse_qa(c) -> bool:
+    """q_a and kv_a as one matrix [Lq + D, H] (rows in that order): a decode token's two
+    projections of the normed input in one launch, attn_norm fused in. Not with their biases."""
+    return bool(c.q_lora_rank) and not c.attention_bias
+
+
 class MlaBuffers(Buffers):
     """Buffers, with q the latent query [T, Hq D] and k the kv_a output [T, D], plus the MLA
     activations (float32)."""
@@ -97,6 +104,8 @@ class MlaBuffers(Buffers):
         f = np.float32
         if c.q_lora_rank:
             self.qa = cuda.device_array((t, c.q_lora_rank), f)                    # [T, Lq]
+        if fuse_qa(c):
+            self.qkva = cuda.device_array(c.q_lora_rank + c.kv_dim, f)    # one token's qa | kv
         self.qr = cuda.device_array((t, c.n_heads, c.qk_nope_dim + c.qk_rope_dim), f)
         self.lat = cuda.device_array((t, c.n_heads, c.kv_lora_rank), f)          # [T, Hq, C]
         self.ov = cuda.device_array((t, c.n_heads * c.v_head_dim), f)            # [T, Hq V]
@@ -112,12 +121,28 @@ class MlaRunState(GpuRunState):
         self.pos = 0
 
 
+_QA_KV = ("q_a", "kv_a")
+
+
 class GpuMlaDecoder(GpuDecoder):
     fuse_qkv = False
     buffers_cls = MlaBuffers
     state_cls = MlaRunState
 
+    def w(self, key: str, layer: int | None = None):
+        """As GpuDecoder.w; q_a and kv_a are row ranges of one matrix where fuse_qa()."""
+        if key in _QA_KV and fuse_qa(self.c):
+            f = super().w("qkva", layer)
+            lq = self.c.q_lora_rank
+            return f[:lq] if key == "q_a" else f[lq:]
+        return super().w(key, layer)
+
+    def _canon(self, key: str) -> str:
+        return "qkva" if key in _QA_KV and fuse_qa(self.c) else key
+
     def _host_array(self, key: str, layer: int | None) -> np.ndarray:
+        if key == "qkva":
+            return np.ascontiguousarray(np.concatenate([self._host_array(k, layer) for k in _QA_KV]))
         a = super()._host_array(key, layer)
         if key in ("q", "q_b"):
             return np.ascontiguousarray(a[_q_rows(self.c)])
@@ -128,10 +153,25 @@ class GpuMlaDecoder(GpuDecoder):
     def _attention(self, l, b, t, st):
         c, cs, w = self.c, self.cs, self.w
         x, h = b.x[:t], b.h[:t]
-        hq = c.n_heads
-        gd.rmsnorm(x, w("attn_norm", l), c.rms_eps, h, cs)
         qr = b.qr[:t]
         q2 = qr.reshape(t, -1)
+        if t == 1 and fuse_qa(c):
+            # a decode token: attn_norm fused into the one q_a | kv_a projection, q_a_norm into q_b
+            lq = c.q_lora_rank
+            gd.linear(w("qkva", l), x, b.qkva.reshape(1, -1), cs,
+                      norm=(w("attn_norm", l), c.rms_eps, 0.0, None))
+            gd.linear(w("q_b", l), b.qkva[:lq].reshape(1, lq), q2, cs,
+                      norm=(w("q_a_norm", l), c.rms_eps, 0.0, None))
+            kv = b.qkva[lq:].reshape(1, c.kv_dim)
+        else:
+            kv = b.k[:t]                                                 # [T, D]
+            self._project(l, b, t, x, h, q2, kv)
+        self._attention_rest(l, b, t, st, qr, kv)
+
+    def _project(self, l, b, t, x, h, q2, kv):
+        """q2 [T, Hq (Nn + R)] and kv [T, D] from x: the norm, then each projection alone."""
+        c, cs, w = self.c, self.cs, self.w
+        gd.rmsnorm(x, w("attn_norm", l), c.rms_eps, h, cs)
         if c.q_lora_rank:
             qa = b.qa[:t]
             self._linear(w("q_a", l), h, qa)
@@ -141,10 +181,13 @@ class GpuMlaDecoder(GpuDecoder):
             self._linear(w("q_b", l), qa, q2)
         else:
             self._linear(w("q", l), h, q2)
-        kv = b.k[:t]                                                     # [T, D]
         self._linear(w("kv_a", l), h, kv)
         if c.attention_bias:
             gm.add_rows(kv, w("kv_a_bias", l), cs)
+
+    def _attention_rest(self, l, b, t, st, qr, kv):
+        c, cs, w = self.c, self.cs, self.w
+        x, hq = b.x[:t], c.n_heads
         q_lat = b.q[:t].reshape(t, hq, c.head_dim)
         pos = b.pos[:t]
         gml.prep(qr, kv, w("kv_a_norm", l), c.rms_eps, pos, self.inv_freq,

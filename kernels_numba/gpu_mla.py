@@ -14,14 +14,22 @@ Cache [S_max, 1, D] float32 or uint16 (bf16 bits), row j holding position j.
                block Hq norms kv's latent and rotates its key into the cache row pos[t].
     absorb_q:  grid (cdiv(T, TT) * Hq, cdiv(C, AQ_THREADS)): q_lat[t, h, c] = sum_n q[t, h, n]
                kv_b[h (Nn + V) + n, c]; a thread a column c, TT tokens sharing each weight load.
-    attention: the partial kernel, grid (T * cdiv(Hq, GH), P): a block takes GH heads of one
-               query over one piece of its keys (the pieces of gpu_attention's _piece), KC keys a
-               step: scores with a warp a key (lanes over D), an online softmax a head, then the
-               values with a thread a value column for all GH heads, so each row is loaded once
-               for the whole tile -> pm, pl, pacc (gpu_attention's partials); then gpu_attention's
-               combine merges the pieces into out [T, Hq, C].
+               At T = 1 (STAGED) absorb_q1: grid (Hq, cdiv(C, 128)), 16 warps splitting the
+               head's key rows, CPL columns a lane, every weight loaded before the PDL wait.
+    attention: a partial kernel, grid (T * cdiv(Hq, G), P): a block takes G heads of one query
+               over one piece of its keys (the pieces of gpu_attention's _piece) -> pm, pl,
+               pacc (gpu_attention's partials); then gpu_attention's combine merges the pieces
+               into out [T, Hq, C]. Two partial kernels:
+               staged (float32 caches, STAGED_ATT): a warp a head, its scaled query in its lanes'
+                 registers; KS rows a step copied into shared memory by cp.async, each lane's
+                 16-byte granules dotted for all KS keys, one transposed warp reduction, the
+                 online softmax in the warp; the values by head slices x 4-column granules.
+               tile (bf16 caches): KC keys a step, scores with a warp a key (lanes over D), an
+                 online softmax a head, then the values with a thread a value column for all G
+                 heads, so each row is loaded once for the whole tile.
     absorb_o:  grid (cdiv(T, TT), cdiv(Hq V, AO_WARPS)): out[t, h, v] = sum_c a[t, h, c]
-               kv_b[h (Nn + V) + Nn + v, c]; a warp a row of kv_b, lanes over c.
+               kv_b[h (Nn + V) + Nn + v, c]; a warp a row of kv_b, lanes over c. At T = 1
+               (STAGED) absorb_o1: a warp AO1_ROWS rows, its weights loaded before the wait.
 """
 from __future__ import annotations
 

@@ -147,8 +147,10 @@ case "${1:-a}" in
          wait ;;
     s23) # the lean staged MLA attention: its tests beside the gh x split grid (three shapes, two
          # positions), then GLM-4.7-Flash's decode with it on and off (all resident) at the
-         # grid's best (gh, split) for glm-4.7-flash (summed over the positions)
+         # grid's best (gh, split) for glm-4.7-flash (summed over the positions); beside them the
+         # MLA families on cuda (GLM-4.7-Flash's decode: q_a | kv_a fused, norms fused in)
          run mla tests/test_mla_cuda.py &
+         run fam tests/test_families_cuda.py -k "lite or deepseek_v3" &
          { timeout 200 python3 tools/sweep_mla.py "$OUT/grid.json" --grid > "$OUT/grid.txt" 2>&1
            best=$(python3 -c "
 import json, sys
