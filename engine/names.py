@@ -75,6 +75,11 @@ _DEEPSEEK_V3 = {
     "kv_b": "model.layers.{l}.self_attn.kv_b_proj.weight",
 }
 
+# DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): DeepSeek-V3's names and the lightning indexer's
+_DSA = {**_DEEPSEEK_V3, **{k: "model.layers.{l}.self_attn.indexer." + v for k, v in (
+    ("idx_wq_b", "wq_b.weight"), ("idx_wk", "wk.weight"), ("idx_k_norm", "k_norm.weight"),
+    ("idx_k_norm_bias", "k_norm.bias"), ("idx_w", "weights_proj.weight"))}}
+
 # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): a sigmoid-gated shared expert, the hybrids' names.
 _QWEN2_MOE = {**_LLAMA_LIKE, **{k: _HYBRID[k] for k in ("shared_gate", "shared_up", "shared_down",
                                                         "shared_expert_gate")}}
@@ -119,10 +124,9 @@ NAMES: dict[str, dict[str, str]] = {
     # model.language_model.
     "qwen3_5_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _HYBRID.items()},
     "qwen3_vl_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _LLAMA_LIKE.items()},
-    # DeepSeek-V3.2: V3's names and the DSA indexer's
-    "deepseek_v32": {**_DEEPSEEK_V3, **{k: "model.layers.{l}.self_attn.indexer." + v for k, v in (
-        ("idx_wq_b", "wq_b.weight"), ("idx_wk", "wk.weight"), ("idx_k_norm", "k_norm.weight"),
-        ("idx_k_norm_bias", "k_norm.bias"), ("idx_w", "weights_proj.weight"))}},
+    # DeepSeek-V3.2 and GLM-5: V3's names and the DSA indexer's
+    "deepseek_v32": _DSA,
+    "glm_moe_dsa": _DSA,
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
     # ERNIE-4.5: the shared experts' names of DeepSeek-V3, its selection bias under moe_statics

@@ -82,6 +82,17 @@ def hf_config(family: str, **over):
         kw.pop("head_dim")
         kw.pop("num_key_value_heads")
         cls = tf.DeepseekV32Config
+    elif family == "glm_moe_dsa":
+        # GLM-5: V3.2's indexer (its RoPE over interleaved pairs) in layers 0 and 2; layer 1 reads
+        # layer 0's picks (index_topk_pattern FSF); layers dense or routed by mlp_layer_types
+        kw.update(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                  num_hidden_layers=3, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
+                  qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, index_n_heads=16,
+                  index_head_dim=12, index_topk=4, index_topk_pattern="FSF")
+        kw.pop("head_dim")
+        kw.pop("num_key_value_heads")
+        cls = tf.GlmMoeDsaConfig
     elif family == "deepseek_v2":
         kw.update(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
@@ -157,7 +168,8 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
            "olmoe": tf.OlmoeForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
            "qwen2_moe": tf.Qwen2MoeForCausalLM, "dots1": tf.Dots1ForCausalLM,
            "gpt_oss": tf.GptOssForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM,
-           "deepseek_v2": tf.DeepseekV2ForCausalLM, "deepseek_v32": tf.DeepseekV32ForCausalLM, "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
+           "deepseek_v2": tf.DeepseekV2ForCausalLM, "deepseek_v32": tf.DeepseekV32ForCausalLM,
+           "glm_moe_dsa": tf.GlmMoeDsaForCausalLM, "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
            "minimax_m2": tf.MiniMaxM2ForCausalLM, "ernie4_5_moe": tf.Ernie4_5_MoeForCausalLM}[family]
     model = cls(cfg)
     widen_init(model)
@@ -254,6 +266,30 @@ def check_against(ref, m) -> None:
     assert rel_err(m.logits(ids), want) < 1e-4
     prompt = ids[:5].tolist()
     assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=24).output_ids, 24)
+
+
+def check_state_resumes(folder, ids) -> None:
+    """The CPU engine on folder, 12 prompt ids: a prompt that extends the last generation's is
+    resumed from its saved state (the prefix cache) and gives what a fresh engine gives; a
+    state copied into a smaller one, and one saved and restored into a larger one, continue
+    exactly as the original."""
+    import engine
+    m = engine.load(folder, device="cpu", prefix_cache=True)
+    first = m.generate(ids[:8].tolist(), max_new_tokens=6).output_ids
+    m.generate(ids[::-1].tolist(), max_new_tokens=2)   # another prompt: the first one's state saved
+    prompt = ids[:8].tolist() + first + ids[8:].tolist()
+    fresh = engine.load(folder, device="cpu")
+    assert m.generate(prompt, max_new_tokens=6).output_ids == \
+        fresh.generate(prompt, max_new_tokens=6).output_ids
+    st = m.model.new_state(40)
+    m.model.forward(np.asarray(prompt[:10]), st)
+    small = m.model.new_state(12)
+    st.copy_into(small, 10)
+    big = m.model.restore_state(m.model.save_state(st, 10), 40, 10)
+    tail = np.asarray(prompt[10:12])
+    a = m.model.forward(tail, small)
+    assert np.array_equal(a, m.model.forward(tail, big))
+    assert np.array_equal(a, m.model.forward(tail, st))
 
 
 def record_prefills(m) -> list:

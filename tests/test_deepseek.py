@@ -197,7 +197,7 @@ def test_v32_sparse_attention(tmp_path):
 
     import torch
 
-    from conftest import assert_greedy, hf_reference, rel_err
+    from conftest import assert_greedy, check_state_resumes, hf_reference, rel_err
     build_hf_model(tmp_path / "m", "deepseek_v32")
     ref = hf_reference(tmp_path / "m")
     ids = np.random.default_rng().integers(0, 300, 12)
@@ -210,24 +210,7 @@ def test_v32_sparse_attention(tmp_path):
     cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
     (tmp_path / "dense" / "config.json").write_text(json.dumps({**cfg, "index_topk": 64}))
     assert rel_err(engine.load(tmp_path / "dense", device="cpu").logits(ids), want) > 1e-3
-    # the prefix cache: a saved state restored, and a live state copied into a larger one
-    m = engine.load(tmp_path / "m", device="cpu", prefix_cache=True)
-    first = m.generate(ids[:8].tolist(), max_new_tokens=6).output_ids
-    m.generate(ids[::-1].tolist(), max_new_tokens=2)   # another prompt: the first one's state saved
-    prompt = ids[:8].tolist() + first + ids[8:].tolist()
-    fresh = engine.load(tmp_path / "m", device="cpu")
-    assert m.generate(prompt, max_new_tokens=6).output_ids == \
-        fresh.generate(prompt, max_new_tokens=6).output_ids
-    st = m.model.new_state(40)
-    m.model.forward(np.asarray(prompt[:10]), st)
-    small = m.model.new_state(12)
-    st.copy_into(small, 10)
-    big = m.model.restore_state(m.model.save_state(st, 10), 40, 10)
-    small.pos = 10
-    tail = np.asarray(prompt[10:12])
-    a = m.model.forward(tail, small)
-    assert np.array_equal(a, m.model.forward(tail, big))
-    assert np.array_equal(a, m.model.forward(tail, st))
+    check_state_resumes(tmp_path / "m", ids)   # the prefix cache: indexer keys carried
 
 
 def test_v32_config_refused():

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import (deepseek_v2, deepseek_v3, deepseek_v32, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite, gpt_oss,
-                           kimi_k25, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe,
-                           qwen3_next, qwen3_vl_moe)
+from engine.models import (deepseek_v2, deepseek_v3, deepseek_v32, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite,
+                           glm_moe_dsa, gpt_oss, kimi_k25, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_5_moe,
+                           qwen3_moe, qwen3_next, qwen3_vl_moe)
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -25,6 +25,7 @@ FAMILIES = {
     "deepseek_v2": deepseek_v2,
     "deepseek_v32": deepseek_v32,        # V3.2: V3 with DeepSeek Sparse Attention (CPU backend)
     "glm4_moe_lite": glm4_moe_lite,      # GLM-4.7-Flash: DeepSeek-V3's attention and MoE
+    "glm_moe_dsa": glm_moe_dsa,          # GLM-5: V3.2's sparse attention, top-k shared across layers (CPU backend)
     "kimi_k25": kimi_k25,                # the image-text wrapper: its language model (deepseek_v3)
     "minimax_m2": minimax_m2,
     "ernie4_5_moe": ernie4_5_moe,

@@ -4,7 +4,8 @@ Attention (DSA). Each layer's lightning indexer scores every cached position for
 only the index_topk best; the indexer's keys (one index_head_dim row a position a layer) are
 cached beside the latent rows. Up to index_topk positions the selection is every position: dense
 MLA. The indexer's RoPE rotates the first qk_rope_head_dim dims in halves (the attention's comes
-in interleaved pairs). CPU backend."""
+in interleaved pairs; GLM-5's indexer takes the attention's, engine/models/glm_moe_dsa.py, and
+runs in some layers only, the others reading what it picked). CPU backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,25 +23,31 @@ class DeepseekV32Config(DeepseekV3Config):
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # the layers that run an indexer (V3.2: all); each other layer reads the positions the last
+    # of them before it picked (GLM-5's "shared" layers: no indexer weights, no indexer keys)
+    index_layers: tuple = ()
+    # the indexer's rotary dims in interleaved pairs, as the attention's (GLM-5), or in halves
+    index_rope_pairs: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekV32Config":
         c = DeepseekV3Config.from_hf(cfg)
         if not c.q_lora_rank:
-            raise ConfigError("config.json: deepseek_v32 without q_lora_rank; expected one (the "
+            raise ConfigError(f"config.json: {c.family} without q_lora_rank; expected one (the "
                               "indexer's queries come from the low-rank query)")
         heads, dim, topk = (int(need(cfg, k)) for k in ("index_n_heads", "index_head_dim", "index_topk"))
         if min(heads, topk) < 1 or dim < c.qk_rope_dim:
             raise ConfigError(f"config.json: index_n_heads={heads}, index_topk={topk} must be "
                               f"positive and index_head_dim={dim} at least qk_rope_head_dim="
                               f"{c.qk_rope_dim}")
-        return cls(**c.__dict__, index_n_heads=heads, index_head_dim=dim, index_topk=topk)
+        return cls(**c.__dict__, index_n_heads=heads, index_head_dim=dim, index_topk=topk,
+                   index_layers=tuple(range(c.n_layers)))
 
 
 def dense_spec(c: DeepseekV32Config) -> dict[str, tuple]:
     spec = deepseek_v3.dense_spec(c)
     f, hd = c.family, c.index_head_dim
-    for l in range(c.n_layers):
+    for l in c.index_layers:
         spec[name(f, "idx_wq_b", l)] = (c.index_n_heads * hd, c.q_lora_rank)
         spec[name(f, "idx_wk", l)] = (hd, c.hidden)
         spec[name(f, "idx_k_norm", l)] = (hd,)
@@ -50,11 +57,14 @@ def dense_spec(c: DeepseekV32Config) -> dict[str, tuple]:
 
 
 class DsaState(MlaState):
-    """The latent cache and the indexer's keys ik [L, S_max, index_head_dim]."""
+    """The latent cache and the indexer's keys ik [Li, S_max, index_head_dim], Li = the layers
+    that run an indexer (index_layers, in order); picked: the positions the last of them picked
+    for the tokens in flight (a forward's own, never saved)."""
 
     def __init__(self, ops, c: DeepseekV32Config, max_context: int):
         super().__init__(ops, c, max_context)
-        self.ik = np.zeros((c.n_layers, max_context, c.index_head_dim), np.float32)
+        self.ik = np.zeros((len(c.index_layers), max_context, c.index_head_dim), np.float32)
+        self.picked = None
 
     def copy_into(self, dst, keep: int) -> None:
         super().copy_into(dst, keep)
@@ -72,12 +82,23 @@ class DsaState(MlaState):
 
 
 class DeepseekV32Decoder(DeepseekV3Decoder):
+    def __init__(self, c: DeepseekV32Config, ops, weights, experts, on_route=None):
+        super().__init__(c, ops, weights, experts, on_route)
+        self.index_row = {l: i for i, l in enumerate(c.index_layers)}    # layer -> its row of ik
+        r = c.qk_rope_dim
+        # interleaved rotary pairs -> halves, as self.rot; the dims past qk_rope_head_dim stay
+        self.index_cols = (np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2),
+                                           np.arange(r, c.index_head_dim)])
+                           if c.index_rope_pairs else None)
+
     def new_state(self, max_context: int) -> DsaState:
         return DsaState(self.ops, self.c, max_context)
 
     def attention(self, l: int, h, pos: np.ndarray, st: DsaState):
         q_lat, qr = self.latent(l, h, pos, st)
-        picked = self.select(l, h, qr, pos, st)
+        if l in self.index_row:   # else the last indexer layer's picks (layer 0 runs one)
+            st.picked = self.select(l, h, qr, pos, st)
+        picked = st.picked
         if picked is None:   # every position: dense MLA
             a = self.ops.attention(q_lat, st.k[l], st.v[l], pos, self.c.softmax_scale, 0, None)
         else:
@@ -99,15 +120,19 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
         var = ((k - mu) ** 2).mean(-1, keepdims=True)
         k = ((k - mu) / np.sqrt(var + np.float32(1e-6)) * w("idx_k_norm", l)
              + w("idx_k_norm_bias", l)).astype(np.float32)[:, None]        # LayerNorm, [T, 1, D]
+        if self.index_cols is not None:
+            k = np.ascontiguousarray(k[:, :, self.index_cols])
         ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
-        st.ik[l, pos[0]:pos[0] + t] = k[:, 0]
+        ik = st.ik[self.index_row[l]]                                       # [S_max, D]
+        ik[pos[0]:pos[0] + t] = k[:, 0]
         end = int(pos[-1]) + 1
         if end <= c.index_topk:
             return None
-        q = np.ascontiguousarray(ops.linear(qr, w("idx_wq_b", l)).reshape(t, heads, dim))
+        q = ops.linear(qr, w("idx_wq_b", l)).reshape(t, heads, dim)
+        q = np.ascontiguousarray(q if self.index_cols is None else q[:, :, self.index_cols])
         ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
         wt = ops.linear(h, w("idx_w", l)) * np.float32(heads ** -0.5)        # [T, Hi]
-        keys = st.ik[l, :end]                                               # [S, D]
+        keys = ik[:end]                                                     # [S, D]
         scores = np.maximum(np.einsum("thd,sd->ths", q, keys) * np.float32(dim ** -0.5), 0)
         score = np.einsum("th,ths->ts", wt, scores)                         # [T, S]
         picked = []
