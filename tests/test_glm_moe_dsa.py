@@ -134,6 +134,7 @@ def test_released_shapes():
     types = ["full", "shared", "shared"] * 26
     assert full_layers(indexer_types=types, index_topk_pattern="F" * 78) == tuple(range(0, 78, 3))
     assert full_layers(index_topk_pattern=types) == tuple(range(0, 78, 3))
+    assert full_layers(index_topk_pattern="F" * 78 + "S") == tuple(range(78))   # an MTP layer's entry too
     fam = family_of({**GLM5, "indexer_types": types, "mlp_layer_types": ["dense", "sparse"] * 39})
     assert fam.config.moe_layers == tuple(range(1, 78, 2))
     assert "model.layers.1.self_attn.indexer.wk.weight" not in fam.dense_spec
@@ -142,7 +143,7 @@ def test_released_shapes():
 
 @pytest.mark.parametrize("fields,says", [
     (dict(index_topk_pattern="SF" + "F" * 76), "index_topk_pattern makes layer 0 shared; it must be full"),
-    (dict(index_topk_pattern="FSF"), "index_topk_pattern gives 3 layers; expected num_hidden_layers=78"),
+    (dict(index_topk_pattern="FSF"), "index_topk_pattern gives 3 layers; expected at least num_hidden_layers=78"),
     (dict(index_topk_pattern="F" * 40 + "X" + "F" * 37), "index_topk_pattern 'FFF.*' has 'X' at layer 40; "
                                                           r"expected F \(full\) or S \(shared\)"),
     (dict(indexer_types=["full"] * 77 + ["dense"]), "indexer_types has 'dense' at layer 77; expected "

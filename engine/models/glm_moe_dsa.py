@@ -44,9 +44,10 @@ def indexer_types(cfg: dict) -> tuple:
         offset = _int_field(cfg, "index_skip_topk_offset", 2)
         return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n))
     types = list(types)
-    if len(types) != n:
-        raise ConfigError(f"config.json: {field} gives {len(types)} layers; expected "
+    if len(types) < n:
+        raise ConfigError(f"config.json: {field} gives {len(types)} layers; expected at least "
                           f"num_hidden_layers={n}")
+    types = types[:n]   # entries past the decoder's layers describe the MTP layers, which are skipped
     bad = next((i for i, t in enumerate(types) if t not in ("full", "shared")), None)
     if bad is not None:
         raise ConfigError(f"config.json: {field} has {types[bad]!r} at layer {bad}; expected "
