@@ -166,6 +166,12 @@ print('--set kernels_numba.gpu_mla.STAGED_GH=%d --set kernels_numba.gpu_mla.STAG
                --flag kernels_numba.gpu_mla.STAGED_ATT --vram-gb 40 --tokens 64 --prompt-len 512 \
                --rounds 2 --out "$OUT/ab.json" > "$OUT/ab.txt" 2>&1; } &
          wait ;;
+    s23t) # s23 without the decode A/B (for a call with little device time left): the staged
+         # attention's tests and the MLA families on cuda beside the grid
+         run mla tests/test_mla_cuda.py &
+         run fam tests/test_families_cuda.py -k "lite or deepseek_v3" &
+         timeout 200 python3 tools/sweep_mla.py "$OUT/grid.json" --grid > "$OUT/grid.txt" 2>&1 &
+         wait ;;
     bench) # engine.bench gpu-stream on the MLA presets at --vram-gb 8 (arenas from s21 if there)
          for m in glm:glm-4.7-flash dsl:deepseek-v2-lite; do
              d=/tmp/${m%%:*}
@@ -174,7 +180,7 @@ print('--set kernels_numba.gpu_mla.STAGED_GH=%d --set kernels_numba.gpu_mla.STAG
                  >> "$OUT/${m%%:*}_bench.log" 2>&1
              echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/${m%%:*}_bench.log"
          done ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|bench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
