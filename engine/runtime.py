@@ -659,7 +659,8 @@ class Engine:
     def state_bytes_per_token(self, first: int, n: int) -> float:
         """Mean bytes of sequence state a decode token reads, over the n tokens at positions
         first.. first + n - 1: the K and V rows of every attention layer (up to a sliding
-        window) and the float32 conv and recurrent state of the DeltaNet layers."""
+        window, or the index_topk rows a DSA layer picks, beside its indexer's float32 keys) and
+        the float32 conv and recurrent state of the DeltaNet layers."""
         from engine.models.hybrid import HybridConfig
         c = self.config
         pos = np.arange(first, first + max(n, 1)) + 1
@@ -667,6 +668,9 @@ class Engine:
             windows = (0,) * len(c.full_layers)
             fixed = 4 * len(c.linear_layers) * ((c.conv_kernel - 1) * c.conv_dim
                                                  + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim)
+        elif getattr(c, "index_topk", 0):   # DSA: index_topk picked rows, the indexer's keys all
+            windows = (c.index_topk,) * c.n_layers
+            fixed = 4 * c.index_head_dim * len(c.index_layers) * pos.mean()
         else:   # a window a layer (gpt-oss alternates sliding and full layers) or one for all
             windows = getattr(c, "layer_windows", ()) or (c.sliding_window,) * c.n_layers
             fixed = 0

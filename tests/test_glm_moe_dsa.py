@@ -110,6 +110,22 @@ def test_state_and_prefix_cache(tiny):
     check_state_resumes(d, prompt_ids(12))
 
 
+
+def test_state_bytes(tiny):
+    """The bench's sequence-state bytes a decode token reads: every layer's latent rows up to
+    index_topk (the picked ones past it), and every position's indexer key of the full layers,
+    both against the arrays the run state allocates."""
+    d, _ = tiny
+    m = engine.load(d, device="cpu")
+    s = int(np.random.default_rng().integers(9, 40))
+    st = m.model.new_state(s)
+    row, key = st.k.nbytes / s, st.ik.nbytes / s   # one position: every layer's latent row; its keys
+    topk = m.config.index_topk
+    assert m.state_bytes_per_token(s - 1, 1) == pytest.approx(row * topk + key * s)
+    assert m.state_bytes_per_token(0, 1) == pytest.approx(row + key)
+    mean_rows = np.mean([min(p + 1, topk) for p in range(s)])
+    assert m.state_bytes_per_token(0, s) == pytest.approx(row * mean_rows + key * (s + 1) / 2)
+
 def full_layers(**fields) -> tuple:
     return family_of({**GLM5, **fields}).config.index_layers
 
