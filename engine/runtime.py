@@ -668,9 +668,9 @@ class Engine:
             windows = (0,) * len(c.full_layers)
             fixed = 4 * len(c.linear_layers) * ((c.conv_kernel - 1) * c.conv_dim
                                                  + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim)
-        elif getattr(c, "index_topk", 0):   # DSA: index_topk picked rows, the indexer's keys all
-            windows = (c.index_topk,) * c.n_layers
-            fixed = 4 * c.index_head_dim * len(c.index_layers) * pos.mean()
+        elif getattr(c, "index_topk", 0):   # DSA: index_topk picked rows; the indexer reads
+            windows = (c.index_topk,) * c.n_layers   # every key only where there is a choice
+            fixed = 4 * c.index_head_dim * len(c.index_layers) * np.where(pos > c.index_topk, pos, 0).mean()
         else:   # a window a layer (gpt-oss alternates sliding and full layers) or one for all
             windows = getattr(c, "layer_windows", ()) or (c.sliding_window,) * c.n_layers
             fixed = 0

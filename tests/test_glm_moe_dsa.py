@@ -113,8 +113,8 @@ def test_state_and_prefix_cache(tiny):
 
 def test_state_bytes(tiny):
     """The bench's sequence-state bytes a decode token reads: every layer's latent rows up to
-    index_topk (the picked ones past it), and every position's indexer key of the full layers,
-    both against the arrays the run state allocates."""
+    index_topk (the picked ones past it), and past index_topk every position's indexer key of
+    the full layers, both against the arrays the run state allocates."""
     d, _ = tiny
     m = engine.load(d, device="cpu")
     s = int(np.random.default_rng().integers(9, 40))
@@ -122,9 +122,10 @@ def test_state_bytes(tiny):
     row, key = st.k.nbytes / s, st.ik.nbytes / s   # one position: every layer's latent row; its keys
     topk = m.config.index_topk
     assert m.state_bytes_per_token(s - 1, 1) == pytest.approx(row * topk + key * s)
-    assert m.state_bytes_per_token(0, 1) == pytest.approx(row + key)
+    assert m.state_bytes_per_token(0, 1) == pytest.approx(row)   # no choice yet: no keys read
     mean_rows = np.mean([min(p + 1, topk) for p in range(s)])
-    assert m.state_bytes_per_token(0, s) == pytest.approx(row * mean_rows + key * (s + 1) / 2)
+    mean_keys = np.mean([p + 1 if p + 1 > topk else 0 for p in range(s)])
+    assert m.state_bytes_per_token(0, s) == pytest.approx(row * mean_rows + key * mean_keys)
 
 def full_layers(**fields) -> tuple:
     return family_of({**GLM5, **fields}).config.index_layers
@@ -153,6 +154,9 @@ def test_released_shapes():
     assert full_layers(index_topk_pattern="F" * 78 + "S") == tuple(range(78))   # an MTP layer's entry too
     fam = family_of({**GLM5, "indexer_types": types, "mlp_layer_types": ["dense", "sparse"] * 39})
     assert fam.config.moe_layers == tuple(range(1, 78, 2))
+    # an MTP layer's entry past the decoder's layers is read past, as transformers reads it
+    assert family_of({**GLM5, "mlp_layer_types": ["dense"] + ["sparse"] * 78}).config.moe_layers == tuple(range(1, 78))
+    assert family_of({**GLM5, "first_k_dense_replace": 99}).config.moe_layers == ()
     assert "model.layers.1.self_attn.indexer.wk.weight" not in fam.dense_spec
     assert "model.layers.3.self_attn.indexer.wk.weight" in fam.dense_spec
 
@@ -165,6 +169,8 @@ def test_released_shapes():
     (dict(indexer_types=["full"] * 77 + ["dense"]), "indexer_types has 'dense' at layer 77; expected "
                                                     "'full' or 'shared'"),
     (dict(indexer_types=["shared"] + ["full"] * 77), "indexer_types makes layer 0 shared"),
+    (dict(index_topk_freq=2, index_skip_topk_offset=0),
+     "index_topk_freq / index_skip_topk_offset makes layer 0 shared"),
     (dict(index_topk_freq="4"), "index_topk_freq '4' must be an integer"),
     (dict(index_skip_topk_offset=2.5), "index_skip_topk_offset 2.5 must be an integer"),
     (dict(indexer_rope_interleave=False), "indexer_rope_interleave False is not supported for glm_moe_dsa"),

@@ -18,11 +18,13 @@ def routed_layers(cfg: dict, first_dense: int) -> tuple:
     n = int(need(cfg, "num_hidden_layers"))
     types = cfg.get("mlp_layer_types")
     if types is None:
-        first = int(cfg.get("first_k_dense_replace", first_dense))
+        first = min(int(cfg.get("first_k_dense_replace", first_dense)), n)
         types = ["dense"] * first + ["sparse"] * (n - first)
-    if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+    # entries past the decoder's layers describe the MTP layers, which are skipped
+    if len(types) < n or any(t not in ("dense", "sparse") for t in types[:n]):
         raise ConfigError(f"config.json: mlp_layer_types must list 'dense' or 'sparse' for each "
                           f"of the {n} layers; got {types!r}")
+    types = types[:n]
     return tuple(i for i, t in enumerate(types) if t == "sparse")
 
 

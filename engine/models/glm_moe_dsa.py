@@ -42,7 +42,8 @@ def indexer_types(cfg: dict) -> tuple:
     if types is None:
         freq = max(_int_field(cfg, "index_topk_freq", 1), 1)
         offset = _int_field(cfg, "index_skip_topk_offset", 2)
-        return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n))
+        field = "index_topk_freq / index_skip_topk_offset"
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     types = list(types)
     if len(types) < n:
         raise ConfigError(f"config.json: {field} gives {len(types)} layers; expected at least "
