@@ -60,8 +60,13 @@ AO1_ROWS = 2                    # absorb_o1: value rows a warp
 # staged attention: a block's G heads are its warps (the head's query in its lanes' registers);
 # each step's KS rows go to shared memory in one round of cp.async copies
 KS = 2 if SIM else 16           # keys a step (a power of 2, at most 32)
-STAGED_GH = 8                   # heads a block (at most: even tiles)
-STAGED_SPLIT = SPLIT            # fewest keys a block (pieces grow to fit the partials' P)
+# heads a block (at most: even tiles) and fewest keys a block (pieces grow to fit the partials'
+# P): the best sum over positions 530 and 4095 at GLM-4.7-Flash's shapes on the H100 (PERF.md,
+# twenty-fourth session; gh 4 split 16: 17.7 + 51.9 us a layer, the tiled kernel 50.7 + 94.0)
+STAGED_GH = 4
+STAGED_SPLIT = 16
+STAGED_GH_MAX = 8               # 10 warps of ~170 registers: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+STAGED_SMEM = 48 * 1024         # a step's rows (KS x D float32) in static shared memory
 ATT_VARIANTS = ("staged", "tile")
 # the absorb kernels at T = 1; False: the tiled ones at every T, kept to compare
 # (tools/decode_ab.py --flag kernels_numba.gpu_mla.STAGED)
@@ -647,15 +652,16 @@ def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=None, gh=
     if pm.shape[0] < t * hq or pacc.shape[2] < c:
         raise ValueError(f"partials {pacc.shape} do not fit {t} queries x {hq} heads x {c} values")
     bf = cache.dtype == np.uint16
-    variant = variant or ("staged" if STAGED_ATT and not bf and d % 4 == 0 and aligned(16, cache)
-                          else "tile")
+    fits = d % 4 == 0 and KS * d * 4 <= STAGED_SMEM
+    variant = variant or ("staged" if STAGED_ATT and not bf and fits and aligned(16, cache) else "tile")
     staged = variant == "staged"
     gh = gh or (STAGED_GH if staged else GH)
     split = split or (STAGED_SPLIT if staged else SPLIT)
     if staged:
-        if bf or d % 4 or not aligned(16, cache):
-            raise ValueError(f"MLA attention staged: a float32 cache of 16-byte rows, not "
-                             f"{cache.dtype} {cache.shape}")
+        if bf or not fits or not aligned(16, cache) or gh > STAGED_GH_MAX:
+            raise ValueError(f"MLA attention staged: a float32 cache of 16-byte rows of at most "
+                             f"{STAGED_SMEM // (4 * KS)} values and at most {STAGED_GH_MAX} heads a "
+                             f"block, not {cache.dtype} {cache.shape}, gh {gh}")
         g = cdiv(hq, cdiv(hq, max(1, gh)))          # even tiles of at most gh heads
         kern, threads = staged_kernel(g, d, c), g * WARP
     else:

@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--grid", action="store_true")
-    ap.add_argument("--gh", default="2,4,5,8,10")
+    ap.add_argument("--gh", default="2,4,5,8")
     ap.add_argument("--split", default="16,32,64")
     a = ap.parse_args()
     from kernels_numba import gpu_attention as ga
