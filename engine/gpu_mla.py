@@ -24,6 +24,7 @@ from numba import cuda
 from engine.gpu import Buffers, GpuDecoder, GpuRunState, _partials
 from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.gpu import run_state_bytes as _base_run_state_bytes
+from engine.models.rope import pairs_to_halves
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
 from kernels_numba import gpu_mla as gml
@@ -34,7 +35,7 @@ def rot_order(c) -> np.ndarray:
     """The rotary dims in rotate-half order: interleaved pairs (x0, x1), (x2, x3)... -> evens
     then odds (as the CPU decoder gathers them); identity when the checkpoint is not interleaved."""
     r = c.qk_rope_dim
-    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if c.rope_interleave else np.arange(r)
+    return pairs_to_halves(r) if c.rope_interleave else np.arange(r)
 
 
 def _q_rows(c) -> np.ndarray:

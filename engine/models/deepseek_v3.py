@@ -21,7 +21,7 @@ import numpy as np
 from engine.models import base
 from engine.models.base import MoeConfig, MoeDecoder, RunState, expert_spec, need  # noqa: F401
 from engine.models.glm4_moe import sigmoid_moe, with_experts
-from engine.models.rope import ConfigError, RopeConfig, rope_params
+from engine.models.rope import ConfigError, RopeConfig, pairs_to_halves, rope_params
 from engine.names import name
 
 _ATTN = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
@@ -128,8 +128,7 @@ class DeepseekV3Decoder(MoeDecoder):
         heads, nope, rope, cd = c.n_heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
         f32 = ops.deltanet.f32
         # interleaved rotary pairs (x0, x1), (x2, x3)... -> halves (x0, x2, ...), (x1, x3, ...)
-        self.rot = (np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
-                    if c.rope_interleave else np.arange(rope))
+        self.rot = pairs_to_halves(rope) if c.rope_interleave else np.arange(rope)
         derived = {}
         for l in range(c.n_layers):
             kv_b = f32(weights("kv_b", l)).reshape(heads, nope + c.v_head_dim, cd)

@@ -15,7 +15,7 @@ import numpy as np
 from engine.models import deepseek_v3
 from engine.models.base import need
 from engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3Decoder, MlaState, expert_spec  # noqa: F401
-from engine.models.rope import ConfigError
+from engine.models.rope import ConfigError, pairs_to_halves
 from engine.names import name
 
 @dataclass(frozen=True)
@@ -85,11 +85,8 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
     def __init__(self, c: DeepseekV32Config, ops, weights, experts, on_route=None):
         super().__init__(c, ops, weights, experts, on_route)
         self.index_row = {l: i for i, l in enumerate(c.index_layers)}    # layer -> its row of ik
-        r = c.qk_rope_dim
         # interleaved rotary pairs -> halves, as self.rot; the dims past qk_rope_head_dim stay
-        self.index_cols = (np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2),
-                                           np.arange(r, c.index_head_dim)])
-                           if c.index_rope_pairs else None)
+        self.index_cols = pairs_to_halves(c.qk_rope_dim, c.index_head_dim) if c.index_rope_pairs else None
 
     def new_state(self, max_context: int) -> DsaState:
         return DsaState(self.ops, self.c, max_context)

@@ -92,6 +92,12 @@ class RopeConfig:
         return inv
 
 
+def pairs_to_halves(r: int, d: int | None = None) -> np.ndarray:
+    """Column order that gathers r rotary dims in interleaved pairs (x0, x1), (x2, x3)... into
+    rotate-half order (x0, x2, ...), (x1, x3, ...); the dims from r to d (default r) stay."""
+    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2), np.arange(r, r if d is None else d)])
+
+
 def pair_rows(c, key: str, a):
     """A q or k projection (weight [heads * D, H], bias or column index [heads * D]) of a model
     whose rotary dims come in interleaved pairs (c.rope_pairs: (x0, x1), (x2, x3)...) with its
@@ -102,6 +108,6 @@ def pair_rows(c, key: str, a):
         return a
     a = np.asarray(a)
     r = c.rope.rotary_dim
-    head = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2), np.arange(r, c.head_dim)])
+    head = pairs_to_halves(r, c.head_dim)
     rows = (np.arange(a.shape[0] // c.head_dim)[:, None] * c.head_dim + head).ravel()
     return np.ascontiguousarray(a[rows])
