@@ -42,6 +42,7 @@ DEVICE_RESOLVE = os.environ.get("MOE_STREAM_DEVICE_RESOLVE", "1") != "0"
 # faster (no host round trip a layer) but the SMs' PCIe reads reach about 29 GB/s against the
 # copy engine's 55, and its launch a layer cost the model's own routing (96 % VRAM hits) 3-5 %
 DEVICE_GATHER = os.environ.get("MOE_STREAM_DEVICE_GATHER", "0") == "1"
+GATHER_BLOCKS = int(os.environ.get("MOE_STREAM_GATHER_BLOCKS", "0"))   # blocks an expert (0: the kernel's)
 SERVE_TIMEOUT_S = 120.0  # a token graph that neither finishes nor asks for blocks this long
 
 
@@ -847,7 +848,7 @@ class GpuDecoder:
                              l, c.n_experts, cs)
         if self._gather is not None:
             gm.expert_gather(self.slots_d[l], self.ids_all_d[l], self.held_d[l], self.stage_d[l],
-                             *self._gather, cs)
+                             *self._gather, cs, GATHER_BLOCKS)
         gm.expert_gate(self.slots_d[l], self.ids_all_d[l], self.held_d[l], self.stage_d[l],
                        self.seq_d, self.flag_d, self.req_h, self.ids_req_h, l, cs)
 

@@ -177,49 +177,57 @@ GATHER_BLOCKS = 2 if SIM else 8    # blocks an expert: 1 MB of reads in flight f
 GATHER_UNROLL = 4                  # 16-byte loads a thread issues before its stores
 
 
-@pdl_kernel
-@cuda.jit
-def _expert_gather(slots, ids, held, stage, pool, bank):
-    """grid K * GATHER_BLOCKS, THREADS. pool uint32 [N, Wp] (the host RAM cache's pinned
-    buffers, mapped), bank uint32 [S, W] (VRAM slots), W a multiple of 4 * GATHER_UNROLL."""
-    pdl_wait()
-    pdl_trigger()
-    k = cuda.blockIdx.x // GATHER_BLOCKS
-    if slots[k] >= 0 or stage[k] < 0:
-        return
-    h = held[ids[k]]
-    if h < 0:
-        return
-    dst = stage[k]
-    W = bank.shape[1]
-    step = GATHER_BLOCKS * THREADS * 4 * GATHER_UNROLL
-    i = ((cuda.blockIdx.x % GATHER_BLOCKS) * THREADS + cuda.threadIdx.x) * 4 * GATHER_UNROLL
-    while i < W:
-        a0, a1, a2, a3 = ld4(pool, h, i)
-        b0, b1, b2, b3 = ld4(pool, h, i + 4)
-        c0, c1, c2, c3 = ld4(pool, h, i + 8)
-        d0, d1, d2, d3 = ld4(pool, h, i + 12)
-        bank[dst, i], bank[dst, i + 1], bank[dst, i + 2], bank[dst, i + 3] = a0, a1, a2, a3
-        bank[dst, i + 4], bank[dst, i + 5], bank[dst, i + 6], bank[dst, i + 7] = b0, b1, b2, b3
-        bank[dst, i + 8], bank[dst, i + 9], bank[dst, i + 10], bank[dst, i + 11] = c0, c1, c2, c3
-        bank[dst, i + 12], bank[dst, i + 13], bank[dst, i + 14], bank[dst, i + 15] = \
-            d0, d1, d2, d3
-        i += step
+def _make_gather(BLOCKS):
+    @cuda.jit
+    def gather(slots, ids, held, stage, pool, bank):
+        """grid K * BLOCKS, THREADS. pool uint32 [N, Wp] (the host RAM cache's pinned buffers,
+        mapped), bank uint32 [S, W] (VRAM slots), W a multiple of 4 * GATHER_UNROLL."""
+        pdl_wait()
+        pdl_trigger()
+        k = cuda.blockIdx.x // BLOCKS
+        if slots[k] >= 0 or stage[k] < 0:
+            return
+        h = held[ids[k]]
+        if h < 0:
+            return
+        dst = stage[k]
+        W = bank.shape[1]
+        step = BLOCKS * THREADS * 4 * GATHER_UNROLL
+        i = ((cuda.blockIdx.x % BLOCKS) * THREADS + cuda.threadIdx.x) * 4 * GATHER_UNROLL
+        while i < W:
+            a0, a1, a2, a3 = ld4(pool, h, i)
+            b0, b1, b2, b3 = ld4(pool, h, i + 4)
+            c0, c1, c2, c3 = ld4(pool, h, i + 8)
+            d0, d1, d2, d3 = ld4(pool, h, i + 12)
+            bank[dst, i], bank[dst, i + 1], bank[dst, i + 2], bank[dst, i + 3] = a0, a1, a2, a3
+            bank[dst, i + 4], bank[dst, i + 5], bank[dst, i + 6], bank[dst, i + 7] = b0, b1, b2, b3
+            bank[dst, i + 8], bank[dst, i + 9], bank[dst, i + 10], bank[dst, i + 11] = \
+                c0, c1, c2, c3
+            bank[dst, i + 12], bank[dst, i + 13], bank[dst, i + 14], bank[dst, i + 15] = \
+                d0, d1, d2, d3
+            i += step
+    return pdl_kernel(gather)
 
 
-def expert_gather(slots, ids, held, stage, pool, bank, stream):
+_gathers = {}
+
+
+def expert_gather(slots, ids, held, stage, pool, bank, stream, blocks: int = 0):
     """Before a MoE layer's gate in the streamed token graph: each routed expert with no VRAM
     slot (slots[k] < 0) whose block the host RAM cache holds (held[ids[k]] = its pinned
     buffer) is read by the SMs straight from pinned host memory over PCIe into the staging
     slot stage[k] of bank, with no host round trip (the gate then takes that slot). slots,
-    ids, stage int32 [K]; held int32 [E]; pool uint32 [N, Wp] and bank uint32 [S, W] views."""
+    ids, stage int32 [K]; held int32 [E]; pool uint32 [N, Wp] and bank uint32 [S, W] views;
+    blocks an expert (0: GATHER_BLOCKS)."""
     W = bank.shape[1]
     if W % (4 * GATHER_UNROLL) or pool.shape[1] < W:
         raise ValueError(f"expert_gather: VRAM slots of {W} words need a multiple of "
                          f"{4 * GATHER_UNROLL} words and host buffers at least as wide "
                          f"(got {pool.shape[1]})")
-    _expert_gather[slots.shape[0] * GATHER_BLOCKS, THREADS, stream](slots, ids, held, stage, pool,
-                                                                    bank)
+    blocks = blocks or GATHER_BLOCKS
+    if blocks not in _gathers:
+        _gathers[blocks] = _make_gather(blocks)
+    _gathers[blocks][slots.shape[0] * blocks, THREADS, stream](slots, ids, held, stage, pool, bank)
 
 
 @cuda.jit(device=True, inline=True)

@@ -180,7 +180,27 @@ print('--set kernels_numba.gpu_mla.STAGED_GH=%d --set kernels_numba.gpu_mla.STAG
                  >> "$OUT/${m%%:*}_bench.log" 2>&1
              echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/${m%%:*}_bench.log"
          done ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench" >&2; exit 2 ;;
+    s25) # the SMs' PCIe reads of the RAM cache (gm.expert_gather, blocks an expert swept) against
+         # the copy engine at one Qwen3-30B-A3B layer's size, then that preset's uniform streaming
+         # at --vram-gb 8 --ram-gb 32 (warm): the host copying the misses, the token graph
+         # gathering them at 8 blocks an expert, and at the probe's best
+         timeout 120 python3 tools/gather_probe.py --json "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
+         best=$(python3 -c "
+import json, re, sys
+rows = [r for r in json.load(open(sys.argv[1]))['rows'] if 'gather' in r['what']]
+print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).group(1))
+" "$OUT/probe.json" 2>/dev/null || echo 32)
+         [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1 \
+             > "$OUT/bench.txt"
+         for v in "0 0" "1 8" "1 $best"; do
+             set -- $v
+             echo "== gather $1 blocks $2 at ${SECONDS}s" >> "$OUT/bench.txt"
+             MOE_STREAM_DEVICE_GATHER=$1 MOE_STREAM_GATHER_BLOCKS=$2 timeout 170 python3 -m engine.bench \
+                 gpu-stream --model /tmp/q30 --vram-gb 8 --ram-gb 32 --warm-ram --route uniform \
+                 --tokens 64 --prompt-len 512 --out "$OUT/u_g$1_b$2.json" 2>&1 | grep -v -i warn \
+                 | tail -8 >> "$OUT/bench.txt"
+         done ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
