@@ -158,6 +158,17 @@ _QKV = ("q", "k", "v")
 EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
 
 
+def fused_rows(parts, layer) -> np.ndarray:
+    """(name, array) row blocks stacked into one matrix (a fused projection): they must agree
+    in dtype and in everything past the rows, else the fused launch would read them wrong."""
+    n0, arrays = parts[0][0], [np.asarray(a) for _, a in parts]
+    for (n, _), a in zip(parts[1:], arrays[1:]):
+        if a.dtype != arrays[0].dtype or a.shape[1:] != arrays[0].shape[1:]:
+            raise ValueError(f"layer {layer}: {n} ({a.dtype}, rows of {a.shape[1:]}) cannot be "
+                             f"fused with {n0} ({arrays[0].dtype}, rows of {arrays[0].shape[1:]})")
+    return np.ascontiguousarray(np.concatenate(arrays))
+
+
 def _widened(a) -> np.ndarray:
     """A weight as the device takes it: bf16 vectors (1-D, or one row) widened to float32, the
     rest as is."""
@@ -292,7 +303,7 @@ class GpuDecoder:
     def _host_array(self, key: str, layer: int | None) -> np.ndarray:
         """The host array behind a device weight (q | k | v fused, 1-D bf16 widened)."""
         if key == "qkv":
-            a = np.concatenate([np.asarray(pair_rows(self.c, x, self._weight(x, layer))) for x in _QKV])
+            a = fused_rows([(x, pair_rows(self.c, x, self._weight(x, layer))) for x in _QKV], layer)
         elif key == "expert_bias":   # gpt-oss: [E, 2I + H] (gate | up | down), rows by expert id
             a = np.stack([np.concatenate([_widened(self._weight(k, layer, e))
                                           for k in EXPERT_BIASES])

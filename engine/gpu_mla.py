@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from engine.gpu import Buffers, GpuDecoder, GpuRunState, _partials
+from engine.gpu import Buffers, GpuDecoder, GpuRunState, _partials, fused_rows
 from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from engine.models.rope import pairs_to_halves
@@ -105,7 +105,7 @@ class MlaBuffers(Buffers):
         f = np.float32
         if c.q_lora_rank:
             self.qa = cuda.device_array((t, c.q_lora_rank), f)                    # [T, Lq]
-        if fuse_qa(c):
+        if fuse_qa(c) and t == 1:   # (the fused projection is a decode token's only)
             self.qkva = cuda.device_array(c.q_lora_rank + c.kv_dim, f)    # one token's qa | kv
         self.qr = cuda.device_array((t, c.n_heads, c.qk_nope_dim + c.qk_rope_dim), f)
         self.lat = cuda.device_array((t, c.n_heads, c.kv_lora_rank), f)          # [T, Hq, C]
@@ -143,7 +143,7 @@ class GpuMlaDecoder(GpuDecoder):
 
     def _host_array(self, key: str, layer: int | None) -> np.ndarray:
         if key == "qkva":
-            return np.ascontiguousarray(np.concatenate([self._host_array(k, layer) for k in _QA_KV]))
+            return fused_rows([(k, self._host_array(k, layer)) for k in _QA_KV], layer)
         a = super()._host_array(key, layer)
         if key in ("q", "q_b"):
             return np.ascontiguousarray(a[_q_rows(self.c)])
@@ -156,8 +156,8 @@ class GpuMlaDecoder(GpuDecoder):
         x, h = b.x[:t], b.h[:t]
         qr = b.qr[:t]
         q2 = qr.reshape(t, -1)
-        if t == 1 and fuse_qa(c):
-            # a decode token: attn_norm fused into the one q_a | kv_a projection, q_a_norm into q_b
+        if t == 1 and hasattr(b, "qkva"):
+            # a decode token (the one-token buffers): attn_norm fused into the one q_a | kv_a projection, q_a_norm into q_b
             lq = c.q_lora_rank
             gd.linear(w("qkva", l), x, b.qkva.reshape(1, -1), cs,
                       norm=(w("attn_norm", l), c.rms_eps, 0.0, None))

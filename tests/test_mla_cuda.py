@@ -149,6 +149,18 @@ def check_router_group_softmax(rng, t, e, k, n_group, topk_group):
     assert all(len(set(row // (e // n_group))) <= topk_group for row in ih), "picks outside the kept groups"
 
 
+def check_fused_rows(rng) -> None:
+    """q_a | kv_a (and q | k | v) stacked for one launch; blocks that disagree in dtype or row
+    width are refused in one line naming the layer and both tensors."""
+    from engine.gpu import fused_rows
+    a, b = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32)
+    f = fused_rows([("q_a", a), ("kv_a", b)], 4)
+    assert f.flags.c_contiguous and np.array_equal(f, np.concatenate([a, b]))
+    for bad in (b.astype(np.float16), rng.standard_normal((2, 9)).astype(np.float32)):
+        with pytest.raises(ValueError, match=r"layer 4: kv_a .* cannot be fused with q_a"):
+            fused_rows([("q_a", a), ("kv_a", bad)], 4)
+
+
 def run_sim_checks() -> None:
     rng = np.random.default_rng()
     check_prep(rng, t=3, hq=3, nope=6, r=4, c_dim=40, s_max=9)   # C over a block: a strided norm
@@ -157,6 +169,7 @@ def run_sim_checks() -> None:
     # staged kernel's KS: 2)
     check_attention(rng, hq=3, c_dim=12, r=4, s_max=11, split=2, t_prefill=3, gh=2)
     check_router_group_softmax(rng, t=24, e=40, k=4, n_group=8, topk_group=3)   # two a lane
+    check_fused_rows(rng)
     print("SIM MLA CHECKS PASSED", flush=True)
 
 
