@@ -157,7 +157,8 @@ class GpuMlaDecoder(GpuDecoder):
         qr = b.qr[:t]
         q2 = qr.reshape(t, -1)
         if t == 1 and hasattr(b, "qkva"):
-            # a decode token (the one-token buffers): attn_norm fused into the one q_a | kv_a projection, q_a_norm into q_b
+            # a decode token (the one-token buffers): attn_norm fused into the one q_a | kv_a
+            # projection, q_a_norm into q_b
             lq = c.q_lora_rank
             gd.linear(w("qkva", l), x, b.qkva.reshape(1, -1), cs,
                       norm=(w("attn_norm", l), c.rms_eps, 0.0, None))
