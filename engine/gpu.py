@@ -812,8 +812,11 @@ class GpuDecoder:
         self._served_missing[l] = set(ids[miss].tolist())
         ev0, ev1 = self._events[l]
         ev0.record(self.xs)
-        slots[miss] = self.res.resolve(l, ids[miss], wait=False,
-                                       protect={(l, int(e)) for e in ids[~miss]})
+        # the table's entries in one copy behind the blocks, not a write an eviction and a
+        # placement: no router reads it until this layer's gate has passed
+        with self.res.batched_table():
+            slots[miss] = self.res.resolve(l, ids[miss], wait=False,
+                                           protect={(l, int(e)) for e in ids[~miss]})
         self.slots_h[l] = slots
         self._writer.put(self.slots_d[l], self.slots_h[l])
         self._writer.set(self.flag_d, l, seq)

@@ -183,19 +183,24 @@ print('--set kernels_numba.gpu_mla.STAGED_GH=%d --set kernels_numba.gpu_mla.STAG
     s25) # the SMs' PCIe reads of the RAM cache (gm.expert_gather, blocks an expert swept) against
          # the copy engine at one Qwen3-30B-A3B layer's size, then that preset's uniform streaming
          # at --vram-gb 8 --ram-gb 32 (warm): the host copying the misses, the token graph
-         # gathering them at 8 blocks an expert, and at the probe's best
+         # gathering them at the probe's best blocks an expert and at 8; the engine's streaming
+         # tests beside the arena's writing
          timeout 120 python3 tools/gather_probe.py --json "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
          best=$(python3 -c "
 import json, re, sys
 rows = [r for r in json.load(open(sys.argv[1]))['rows'] if 'gather' in r['what']]
 print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).group(1))
 " "$OUT/probe.json" 2>/dev/null || echo 32)
-         [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1 \
-             > "$OUT/bench.txt"
-         for v in "0 0" "1 8" "1 $best"; do
+         { [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1 \
+             > "$OUT/bench.txt"; } &
+         LIMIT=200 run engine tests/test_gpu_engine.py -k "streaming or gathered or graph_replay" &
+         wait
+         n=3
+         for v in "0 0" "1 $best" "1 8"; do
              set -- $v
+             t=$(( (585 - SECONDS) / n )); n=$((n - 1))
              echo "== gather $1 blocks $2 at ${SECONDS}s" >> "$OUT/bench.txt"
-             MOE_STREAM_DEVICE_GATHER=$1 MOE_STREAM_GATHER_BLOCKS=$2 timeout 170 python3 -m engine.bench \
+             MOE_STREAM_DEVICE_GATHER=$1 MOE_STREAM_GATHER_BLOCKS=$2 timeout $t python3 -m engine.bench \
                  gpu-stream --model /tmp/q30 --vram-gb 8 --ram-gb 32 --warm-ram --route uniform \
                  --tokens 64 --prompt-len 512 --out "$OUT/u_g$1_b$2.json" 2>&1 | grep -v -i warn \
                  | tail -8 >> "$OUT/bench.txt"
