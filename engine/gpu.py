@@ -43,6 +43,7 @@ DEVICE_RESOLVE = os.environ.get("MOE_STREAM_DEVICE_RESOLVE", "1") != "0"
 # copy engine's 55, and its launch a layer cost the model's own routing (96 % VRAM hits) 3-5 %
 DEVICE_GATHER = os.environ.get("MOE_STREAM_DEVICE_GATHER", "0") == "1"
 GATHER_BLOCKS = int(os.environ.get("MOE_STREAM_GATHER_BLOCKS", "0"))   # blocks an expert (0: the kernel's)
+GATE_FOLD = True   # the gather and the gate in one launch (gm.expert_gate_gather)
 SERVE_TIMEOUT_S = 120.0  # a token graph that neither finishes nor asks for blocks this long
 
 
@@ -860,11 +861,14 @@ class GpuDecoder:
         if self.device_route == "uniform":
             gm.route_uniform(self.ids_all_d[l], self.slots_d[l], self.slot_of_d[l], self.seq_d,
                              l, c.n_experts, cs)
+        args = (self.slots_d[l], self.ids_all_d[l], self.held_d[l], self.stage_d[l])
+        stop = (self.seq_d, self.flag_d, self.req_h, self.ids_req_h, l, cs)
+        if self._gather is not None and GATE_FOLD:
+            gm.expert_gate_gather(*args, *self._gather, *stop, GATHER_BLOCKS)
+            return
         if self._gather is not None:
-            gm.expert_gather(self.slots_d[l], self.ids_all_d[l], self.held_d[l], self.stage_d[l],
-                             *self._gather, cs, GATHER_BLOCKS)
-        gm.expert_gate(self.slots_d[l], self.ids_all_d[l], self.held_d[l], self.stage_d[l],
-                       self.seq_d, self.flag_d, self.req_h, self.ids_req_h, l, cs)
+            gm.expert_gather(*args, *self._gather, cs, GATHER_BLOCKS)
+        gm.expert_gate(*args, *stop)
 
     def _count_token_tiers(self) -> None:
         """After a streamed token graph: VRAM hits the device resolved, and blocks it gathered

@@ -129,15 +129,9 @@ def advance(pos, stream):
 REQ_SHIFT = 16   # a request word: token number << REQ_SHIFT | layer
 
 
-@pdl_kernel
-@cuda.jit
-def _expert_gate(slots, ids, held, stage, seq, flag, req, ids_out, layer):
-    """One thread. slots int32 [K] (the router's, -1 where the expert is not in VRAM), ids
-    int32 [K], held int32 [E] (the layer's row of the host RAM cache's table, -1 where a block
-    is not there) and stage int32 [K] (the layer's staging slots; -1: no gather), seq int32 [1]
-    (this token's number), flag int32 [L], req int64 [1] and ids_out int32 [L, 2 K] in mapped
-    host memory."""
-    pdl_wait()
+@cuda.jit(device=True)
+def _gate(slots, ids, held, stage, seq, flag, req, ids_out, layer):
+    """The gate's work (one thread), after the launch's PDL wait: see expert_gate."""
     miss = False
     for k in range(slots.shape[0]):
         if slots[k] < 0:
@@ -162,6 +156,18 @@ def _expert_gate(slots, ids, held, stage, seq, flag, req, ids_out, layer):
         cuda.atomic.max(slots, k, int32(0))
 
 
+@pdl_kernel
+@cuda.jit
+def _expert_gate(slots, ids, held, stage, seq, flag, req, ids_out, layer):
+    """One thread. slots int32 [K] (the router's, -1 where the expert is not in VRAM), ids
+    int32 [K], held int32 [E] (the layer's row of the host RAM cache's table, -1 where a block
+    is not there) and stage int32 [K] (the layer's staging slots; -1: no gather), seq int32 [1]
+    (this token's number), flag int32 [L], req int64 [1] and ids_out int32 [L, 2 K] in mapped
+    host memory."""
+    pdl_wait()
+    _gate(slots, ids, held, stage, seq, flag, req, ids_out, layer)
+
+
 def expert_gate(slots, ids, held, stage, seq, flag, req, ids_out, layer: int, stream):
     """The streamed token graph's stop before a MoE layer's experts: when the router mapped
     every routed expert to a VRAM slot (slots >= 0), or expert_gather brought it into its
@@ -177,6 +183,33 @@ GATHER_BLOCKS = 2 if SIM else 8    # blocks an expert: 1 MB of reads in flight f
 GATHER_UNROLL = 4                  # 16-byte loads a thread issues before its stores
 
 
+@cuda.jit(device=True, inline=True)
+def _gather_part(k, part, blocks, slots, ids, held, stage, pool, bank):
+    """Block `part` of `blocks` copies its share of routed expert k's block from the pinned
+    pool into its staging slot, where the router found no VRAM slot (or the gate of the same
+    launch has already put the staging slot there) and the host RAM cache holds it."""
+    s, dst = slots[k], stage[k]
+    if dst < 0 or (s >= 0 and s != dst):   # (a staging slot is never an expert's VRAM slot)
+        return
+    h = held[ids[k]]
+    if h < 0:
+        return
+    W = bank.shape[1]
+    step = blocks * THREADS * 4 * GATHER_UNROLL
+    i = (part * THREADS + cuda.threadIdx.x) * 4 * GATHER_UNROLL
+    while i < W:
+        a0, a1, a2, a3 = ld4(pool, h, i)
+        b0, b1, b2, b3 = ld4(pool, h, i + 4)
+        c0, c1, c2, c3 = ld4(pool, h, i + 8)
+        d0, d1, d2, d3 = ld4(pool, h, i + 12)
+        bank[dst, i], bank[dst, i + 1], bank[dst, i + 2], bank[dst, i + 3] = a0, a1, a2, a3
+        bank[dst, i + 4], bank[dst, i + 5], bank[dst, i + 6], bank[dst, i + 7] = b0, b1, b2, b3
+        bank[dst, i + 8], bank[dst, i + 9], bank[dst, i + 10], bank[dst, i + 11] = c0, c1, c2, c3
+        bank[dst, i + 12], bank[dst, i + 13], bank[dst, i + 14], bank[dst, i + 15] = \
+            d0, d1, d2, d3
+        i += step
+
+
 def _make_gather(BLOCKS):
     @cuda.jit
     def gather(slots, ids, held, stage, pool, bank):
@@ -184,32 +217,44 @@ def _make_gather(BLOCKS):
         mapped), bank uint32 [S, W] (VRAM slots), W a multiple of 4 * GATHER_UNROLL."""
         pdl_wait()
         pdl_trigger()
-        k = cuda.blockIdx.x // BLOCKS
-        if slots[k] >= 0 or stage[k] < 0:
-            return
-        h = held[ids[k]]
-        if h < 0:
-            return
-        dst = stage[k]
-        W = bank.shape[1]
-        step = BLOCKS * THREADS * 4 * GATHER_UNROLL
-        i = ((cuda.blockIdx.x % BLOCKS) * THREADS + cuda.threadIdx.x) * 4 * GATHER_UNROLL
-        while i < W:
-            a0, a1, a2, a3 = ld4(pool, h, i)
-            b0, b1, b2, b3 = ld4(pool, h, i + 4)
-            c0, c1, c2, c3 = ld4(pool, h, i + 8)
-            d0, d1, d2, d3 = ld4(pool, h, i + 12)
-            bank[dst, i], bank[dst, i + 1], bank[dst, i + 2], bank[dst, i + 3] = a0, a1, a2, a3
-            bank[dst, i + 4], bank[dst, i + 5], bank[dst, i + 6], bank[dst, i + 7] = b0, b1, b2, b3
-            bank[dst, i + 8], bank[dst, i + 9], bank[dst, i + 10], bank[dst, i + 11] = \
-                c0, c1, c2, c3
-            bank[dst, i + 12], bank[dst, i + 13], bank[dst, i + 14], bank[dst, i + 15] = \
-                d0, d1, d2, d3
-            i += step
+        b = cuda.blockIdx.x
+        _gather_part(b // BLOCKS, b % BLOCKS, BLOCKS, slots, ids, held, stage, pool, bank)
     return pdl_kernel(gather)
 
 
+def _make_gate_gather(BLOCKS):
+    @cuda.jit
+    def gate_gather(slots, ids, held, stage, pool, bank, seq, flag, req, ids_out, layer):
+        """grid K * BLOCKS + 1, THREADS: the gather's blocks, then one whose first thread is
+        the gate (expert_gate's arguments)."""
+        pdl_wait()
+        pdl_trigger()
+        b = cuda.blockIdx.x
+        K = slots.shape[0]
+        if b == K * BLOCKS:
+            if cuda.threadIdx.x == 0:
+                _gate(slots, ids, held, stage, seq, flag, req, ids_out, layer)
+            return
+        _gather_part(b // BLOCKS, b % BLOCKS, BLOCKS, slots, ids, held, stage, pool, bank)
+    return pdl_kernel(gate_gather)
+
+
 _gathers = {}
+
+
+def _check_gather(pool, bank):
+    W = bank.shape[1]
+    if W % (4 * GATHER_UNROLL) or pool.shape[1] < W:
+        raise ValueError(f"expert_gather: VRAM slots of {W} words need a multiple of "
+                         f"{4 * GATHER_UNROLL} words and host buffers at least as wide "
+                         f"(got {pool.shape[1]})")
+
+
+def _gather_kernel(make, blocks: int):
+    blocks = blocks or GATHER_BLOCKS
+    if (make, blocks) not in _gathers:
+        _gathers[make, blocks] = make(blocks)
+    return blocks, _gathers[make, blocks]
 
 
 def expert_gather(slots, ids, held, stage, pool, bank, stream, blocks: int = 0):
@@ -219,15 +264,20 @@ def expert_gather(slots, ids, held, stage, pool, bank, stream, blocks: int = 0):
     slot stage[k] of bank, with no host round trip (the gate then takes that slot). slots,
     ids, stage int32 [K]; held int32 [E]; pool uint32 [N, Wp] and bank uint32 [S, W] views;
     blocks an expert (0: GATHER_BLOCKS)."""
-    W = bank.shape[1]
-    if W % (4 * GATHER_UNROLL) or pool.shape[1] < W:
-        raise ValueError(f"expert_gather: VRAM slots of {W} words need a multiple of "
-                         f"{4 * GATHER_UNROLL} words and host buffers at least as wide "
-                         f"(got {pool.shape[1]})")
-    blocks = blocks or GATHER_BLOCKS
-    if blocks not in _gathers:
-        _gathers[blocks] = _make_gather(blocks)
-    _gathers[blocks][slots.shape[0] * blocks, THREADS, stream](slots, ids, held, stage, pool, bank)
+    _check_gather(pool, bank)
+    blocks, kern = _gather_kernel(_make_gather, blocks)
+    kern[slots.shape[0] * blocks, THREADS, stream](slots, ids, held, stage, pool, bank)
+
+
+def expert_gate_gather(slots, ids, held, stage, pool, bank, seq, flag, req, ids_out, layer: int,
+                       stream, blocks: int = 0):
+    """expert_gather and expert_gate in one launch (a MoE layer of the streamed token graph
+    costs one launch for both): the gate's thread takes the staging slot of each block the
+    RAM cache holds while the other blocks copy it, and asks the host for the rest."""
+    _check_gather(pool, bank)
+    blocks, kern = _gather_kernel(_make_gate_gather, blocks)
+    kern[slots.shape[0] * blocks + 1, THREADS, stream](slots, ids, held, stage, pool, bank, seq,
+                                                       flag, req, ids_out, int32(layer))
 
 
 @cuda.jit(device=True, inline=True)

@@ -181,10 +181,10 @@ print('--set kernels_numba.gpu_mla.STAGED_GH=%d --set kernels_numba.gpu_mla.STAG
              echo -e "\nexit $? after ${SECONDS}s" >> "$OUT/${m%%:*}_bench.log"
          done ;;
     s25) # the SMs' PCIe reads of the RAM cache (gm.expert_gather, blocks an expert swept) against
-         # the copy engine at one Qwen3-30B-A3B layer's size, then that preset's uniform streaming
-         # at --vram-gb 8 --ram-gb 32 (warm): the host copying the misses, the token graph
-         # gathering them at the probe's best blocks an expert and at 8; the engine's streaming
-         # tests beside the arena's writing
+         # the copy engine at one Qwen3-30B-A3B layer's size; the engine's gather / streaming tests
+         # beside the arena's writing; then that preset at --vram-gb 8 --ram-gb 32 (warm), uniform
+         # and the model's own routing, the host copying the misses (gather 0) and the token
+         # graph gathering them (gate and gather in one launch) at the probe's best blocks
          timeout 120 python3 tools/gather_probe.py --json "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
          best=$(python3 -c "
 import json, re, sys
@@ -193,17 +193,18 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
 " "$OUT/probe.json" 2>/dev/null || echo 32)
          { [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1 \
              > "$OUT/bench.txt"; } &
-         LIMIT=200 run engine tests/test_gpu_engine.py -k "streaming or gathered or graph_replay" &
+         LIMIT=200 run engine tests/test_gpu_engine.py -k "gathered or streaming_under" &
          wait
-         n=3
-         for v in "0 0" "1 $best" "1 8"; do
+         n=4
+         for v in "0 0 uniform" "1 $best uniform" "0 0 own" "1 $best own"; do
              set -- $v
              t=$(( (585 - SECONDS) / n )); n=$((n - 1))
-             echo "== gather $1 blocks $2 at ${SECONDS}s" >> "$OUT/bench.txt"
+             r=""; [ $3 = uniform ] && r="--route uniform"
+             echo "== gather $1 blocks $2 routing $3 at ${SECONDS}s" >> "$OUT/bench.txt"
              MOE_STREAM_DEVICE_GATHER=$1 MOE_STREAM_GATHER_BLOCKS=$2 timeout $t python3 -m engine.bench \
-                 gpu-stream --model /tmp/q30 --vram-gb 8 --ram-gb 32 --warm-ram --route uniform \
-                 --tokens 64 --prompt-len 512 --out "$OUT/u_g$1_b$2.json" 2>&1 | grep -v -i warn \
-                 | tail -8 >> "$OUT/bench.txt"
+                 gpu-stream --model /tmp/q30 --vram-gb 8 --ram-gb 32 --warm-ram $r --tokens 64 \
+                 --prompt-len 512 --out "$OUT/$3_g$1.json" 2>&1 | grep -v -i warn | tail -5 \
+                 >> "$OUT/bench.txt"
          done ;;
     *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25" >&2; exit 2 ;;
 esac

@@ -224,6 +224,26 @@ def gather_and_uniform_routes(cs):
     cs.synchronize()
     assert req[0] == -1 and list(slots.copy_to_host()) == [1, 6, 7]
 
+    # the same in one launch (the gate's block beside the gather's): the same blocks staged,
+    # the same request, and no request where everything is found
+    bank = cuda.to_device(bank0)
+    slots = cuda.to_device(np.array([1, -1, -1, -1], np.int32))
+    req[0] = -1
+    ids_out[:] = 0
+    gm.expert_gate_gather(slots, ids, held, stage, pool, bank, seq, flag, req, ids_out, 2, cs)
+    cs.synchronize()
+    assert np.array_equal(bank.copy_to_host(), want)
+    assert req[0] == (7 << gm.REQ_SHIFT) | 2
+    assert list(ids_out[2]) == [2, 5, 7, 3, 1, 6, 7, -1]
+    bank = cuda.to_device(bank0)
+    slots = cuda.to_device(np.array([1, -1, -1], np.int32))
+    req[0] = -1
+    gm.expert_gate_gather(slots, ids[:3], held, stage[:3], pool, bank, seq, flag, req, ids_out, 1,
+                          cs)
+    cs.synchronize()
+    assert req[0] == -1 and list(slots.copy_to_host()) == [1, 6, 7]
+    assert np.array_equal(bank.copy_to_host(), want)
+
     slot_of_h = rng.permutation(16).astype(np.int32)
     slot_of = cuda.to_device(slot_of_h)
     seen = set()
