@@ -185,14 +185,14 @@ print('--set kernels_numba.gpu_mla.STAGED_GH=%d --set kernels_numba.gpu_mla.STAG
          # beside the arena's writing; then that preset at --vram-gb 8 --ram-gb 32 (warm), uniform
          # and the model's own routing, the host copying the misses (gather 0) and the token
          # graph gathering them (gate and gather in one launch) at the probe's best blocks
-         timeout 120 python3 tools/gather_probe.py --json "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
+         timeout 120 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn > "$OUT/bench.txt"
          best=$(python3 -c "
 import json, re, sys
 rows = [r for r in json.load(open(sys.argv[1]))['rows'] if 'gather' in r['what']]
 print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).group(1))
 " "$OUT/probe.json" 2>/dev/null || echo 32)
          { [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1 \
-             > "$OUT/bench.txt"; } &
+             >> "$OUT/bench.txt"; } &
          LIMIT=200 run engine tests/test_gpu_engine.py -k "gathered or streaming_under" &
          wait
          n=4
