@@ -227,7 +227,7 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
                "ram_cache": {k: s["experts"].get(k) for k in ("hit_rate", "hits", "misses", "evictions",
                                                               "bytes_read", "read_gbps")},
                "wait_host_s_per_token": pt["wait_host_s"], "wait_h2d_s_per_token": pt["wait_h2d_s"],
-               "compute_s_per_token": pt["compute_s"],
+               "compute_s_per_token": pt["compute_s"], "issue_s_per_token": pt["issue_s"],
                "graph_nodes": sum(g.nodes for g in (m.gpu._graphs or {}).values()),
                "programmatic_edges": sum(g.programmatic for g in (m.gpu._graphs or {}).values())}
         rows.append(row)
@@ -237,7 +237,7 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
               f"{pt['state_bytes'] / 1e6:.0f} MB | bound {b:.1f} tok/s | "
               f"achieved/bound {row['achieved_over_bound']:.2f} | ms per token: compute "
               f"{1e3 * pt['compute_s']:.1f}, H2D wait {1e3 * pt['wait_h2d_s']:.1f}, host tier "
-              f"{1e3 * pt['wait_host_s']:.1f} | graphs: {row['graph_nodes']} nodes, "
+              f"{1e3 * pt['wait_host_s']:.1f}; the decode thread issuing copies {1e3 * pt['issue_s']:.1f} | graphs: {row['graph_nodes']} nodes, "
               f"{row['programmatic_edges']} programmatic edges", file=sys.stderr)
         if out_json:
             Path(out_json).write_text(json.dumps(rows, indent=1))

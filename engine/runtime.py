@@ -626,13 +626,15 @@ class Engine:
         stall = (c1["stall"] - c0["stall"]) / n
         pt["wait_h2d_s"] = max(stall - pt["wait_host_s"], 0.0)
         pt["compute_s"] = max(stats["decode_s"] / n - pt["wait_host_s"] - pt["wait_h2d_s"], 0.0)
+        pt["issue_s"] = (c1["issue"] - c0["issue"]) / n   # the decode thread resolving slots and
+                                                          # issuing copies (Python, driver calls)
 
     def _counters(self) -> dict:
         ex = self.experts.stats()
         vr = self.gpu.res.stats if self.device == "cuda" else None
         return {"disk": ex.get("bytes_read", 0), "h2d": vr.h2d_bytes if vr else 0,
                 "wait": vr.host_wait_s if vr else ex.get("read_seconds", 0.0),
-                "stall": vr.h2d_wait_s if vr else 0.0}
+                "stall": vr.h2d_wait_s if vr else 0.0, "issue": vr.issue_s if vr else 0.0}
 
     def weight_bytes_per_token(self) -> int:
         """Weight bytes one decode token reads: the dense side (the embedding table only when it
