@@ -237,7 +237,8 @@ def gpu_stream(model: str, vram_gb: float, ram_gbs, tokens: int, prompt_len: int
               f"{pt['state_bytes'] / 1e6:.0f} MB | bound {b:.1f} tok/s | "
               f"achieved/bound {row['achieved_over_bound']:.2f} | ms per token: compute "
               f"{1e3 * pt['compute_s']:.1f}, H2D wait {1e3 * pt['wait_h2d_s']:.1f}, host tier "
-              f"{1e3 * pt['wait_host_s']:.1f}; the decode thread issuing copies {1e3 * pt['issue_s']:.1f} | graphs: {row['graph_nodes']} nodes, "
+              f"{1e3 * pt['wait_host_s']:.1f}; the decode thread issuing copies "
+              f"{1e3 * pt['issue_s']:.1f} | graphs: {row['graph_nodes']} nodes, "
               f"{row['programmatic_edges']} programmatic edges", file=sys.stderr)
         if out_json:
             Path(out_json).write_text(json.dumps(rows, indent=1))
