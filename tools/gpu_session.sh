@@ -198,7 +198,7 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          n=4
          for v in "0 0 uniform" "1 $best uniform" "0 0 own" "1 $best own"; do
              set -- $v
-             t=$(( (585 - SECONDS) / n )); n=$((n - 1))
+             t=$(( (${END_S:-585} - SECONDS) / n )); n=$((n - 1))
              r=""; [ $3 = uniform ] && r="--route uniform"
              echo "== gather $1 blocks $2 routing $3 at ${SECONDS}s" >> "$OUT/bench.txt"
              MOE_STREAM_DEVICE_GATHER=$1 MOE_STREAM_GATHER_BLOCKS=$2 timeout $t python3 -m engine.bench \
