@@ -193,10 +193,10 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
 " "$OUT/probe.json" 2>/dev/null || echo 32)
          { [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1 \
              >> "$OUT/bench.txt"; } &
-         LIMIT=200 run engine tests/test_gpu_engine.py -k "gathered or streaming_under" &
+         LIMIT=${TEST_S:-200} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" &
          wait
          n=4
-         for v in "0 0 uniform" "1 $best uniform" "0 0 own" "1 $best own"; do
+         for v in "0 0 uniform" "1 $best uniform" "1 $best own" "0 0 own"; do
              set -- $v
              t=$(( (${END_S:-585} - SECONDS) / n )); n=$((n - 1))
              r=""; [ $3 = uniform ] && r="--route uniform"
