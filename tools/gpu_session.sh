@@ -195,8 +195,9 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
              >> "$OUT/bench.txt"; } &
          LIMIT=${TEST_S:-200} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" &
          wait
-         n=4
+         n=${RUNS:-4}   # the first RUNS of the four
          for v in "0 0 uniform" "1 $best uniform" "1 $best own" "0 0 own"; do
+             [ $n -gt 0 ] || break
              set -- $v
              t=$(( (${END_S:-585} - SECONDS) / n )); n=$((n - 1))
              r=""; [ $3 = uniform ] && r="--route uniform"
