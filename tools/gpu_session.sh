@@ -207,7 +207,11 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
                  --prompt-len 512 --out "$OUT/$3_g$1.json" 2>&1 | grep -v -i warn | tail -5 \
                  >> "$OUT/bench.txt"
          done ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25" >&2; exit 2 ;;
+    s25p) # s25's probe and the engine's gather tests alone (little device time left)
+         timeout 90 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn \
+             > "$OUT/bench.txt"
+         LIMIT=${TEST_S:-150} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
