@@ -69,10 +69,14 @@ def test_streaming_under_tiny_budgets_same_tokens(tmp_path, fmt):
     assert st["disk_reads"] > 0 and b.stats["experts"]["evictions"] > 0
 
 
-def test_gathered_from_ram_same_tokens(tmp_path):
+@pytest.mark.parametrize("fold", [False, True])
+def test_gathered_from_ram_same_tokens(tmp_path, monkeypatch, fold):
     """VRAM room for more than the banks: the streamed token graph copies the routed experts
     that host RAM holds into VRAM itself (gm.expert_gather, no host round trip) and keeps them
-    as LRU entries; tokens as with every expert resident, and as with the host copying them."""
+    as LRU entries; tokens as with every expert resident, and as with the host copying them.
+    fold: the gather and the gate in one launch (gm.expert_gate_gather)."""
+    import engine.gpu
+    monkeypatch.setattr(engine.gpu, "GATE_FOLD", fold)
     folder, prompt, big = packed_on_cuda(tmp_path)
     a = big.generate(prompt, max_new_tokens=24)
     bb = big.gpu.res.block_bytes

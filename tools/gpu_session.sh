@@ -184,7 +184,8 @@ print('--set kernels_numba.gpu_mla.STAGED_GH=%d --set kernels_numba.gpu_mla.STAG
          # the copy engine at one Qwen3-30B-A3B layer's size; the engine's gather / streaming tests
          # beside the arena's writing; then that preset at --vram-gb 8 --ram-gb 32 (warm), uniform
          # and the model's own routing, the host copying the misses (gather 0) and the token
-         # graph gathering them (gate and gather in one launch) at the probe's best blocks
+         # graph gathering them (gate and gather in one launch, MOE_STREAM_GATE_FOLD=1) at the
+         # probe's best blocks an expert
          timeout 120 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn > "$OUT/bench.txt"
          best=$(python3 -c "
 import json, re, sys
@@ -202,9 +203,9 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
              t=$(( (${END_S:-585} - SECONDS) / n )); n=$((n - 1))
              r=""; [ $3 = uniform ] && r="--route uniform"
              echo "== gather $1 blocks $2 routing $3 at ${SECONDS}s" >> "$OUT/bench.txt"
-             MOE_STREAM_DEVICE_GATHER=$1 MOE_STREAM_GATHER_BLOCKS=$2 timeout $t python3 -m engine.bench \
-                 gpu-stream --model /tmp/q30 --vram-gb 8 --ram-gb 32 --warm-ram $r --tokens 64 \
-                 --prompt-len 512 --out "$OUT/$3_g$1.json" 2>&1 | grep -v -i warn | tail -5 \
+             MOE_STREAM_DEVICE_GATHER=$1 MOE_STREAM_GATHER_BLOCKS=$2 MOE_STREAM_GATE_FOLD=1 \
+                 timeout $t python3 -m engine.bench gpu-stream --model /tmp/q30 --vram-gb 8 \
+                 --ram-gb 32 --warm-ram $r --tokens 64 --prompt-len 512 --out "$OUT/$3_g$1.json" 2>&1 | grep -v -i warn | tail -5 \
                  >> "$OUT/bench.txt"
          done ;;
     s25p) # s25's probe and the engine's gather tests alone (little device time left)
