@@ -24,6 +24,7 @@ from numba import cuda
 from engine.gpu import Buffers, GpuDecoder, GpuRunState, _partials, fused_rows
 from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.gpu import run_state_bytes as _base_run_state_bytes
+from engine.models.deepseek_v3 import LATENT_EPS
 from engine.models.rope import pairs_to_halves
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
@@ -163,7 +164,7 @@ class GpuMlaDecoder(GpuDecoder):
             gd.linear(w("qkva", l), x, b.qkva.reshape(1, -1), cs,
                       norm=(w("attn_norm", l), c.rms_eps, 0.0, None))
             gd.linear(w("q_b", l), b.qkva[:lq].reshape(1, lq), q2, cs,
-                      norm=(w("q_a_norm", l), c.rms_eps, 0.0, None))
+                      norm=(w("q_a_norm", l), LATENT_EPS, 0.0, None))
             kv = b.qkva[lq:].reshape(1, c.kv_dim)
         else:
             kv = b.k[:t]                                                 # [T, D]
@@ -179,7 +180,7 @@ class GpuMlaDecoder(GpuDecoder):
             self._linear(w("q_a", l), h, qa)
             if c.attention_bias:
                 gm.add_rows(qa, w("q_a_bias", l), cs)
-            gd.rmsnorm(qa, w("q_a_norm", l), c.rms_eps, qa, cs)
+            gd.rmsnorm(qa, w("q_a_norm", l), LATENT_EPS, qa, cs)
             self._linear(w("q_b", l), qa, q2)
         else:
             self._linear(w("q", l), h, q2)
@@ -192,7 +193,7 @@ class GpuMlaDecoder(GpuDecoder):
         x, hq = b.x[:t], c.n_heads
         q_lat = b.q[:t].reshape(t, hq, c.head_dim)
         pos = b.pos[:t]
-        gml.prep(qr, kv, w("kv_a_norm", l), c.rms_eps, pos, self.inv_freq,
+        gml.prep(qr, kv, w("kv_a_norm", l), LATENT_EPS, pos, self.inv_freq,
                  c.rope.attention_factor, q_lat, st.k[l], cs)
         kv_b = w("kv_b", l)
         gml.absorb_q(qr, kv_b, q_lat, cs)

@@ -24,6 +24,9 @@ from engine.models.glm4_moe import sigmoid_moe, with_experts
 from engine.models.rope import ConfigError, RopeConfig, pairs_to_halves, rope_params
 from engine.names import name
 
+# the latent norms (q_a, kv_a) take RMSNorm's default eps in transformers and in DeepSeek's own
+# code, whatever rms_norm_eps says (GLM-4.7-Flash: 1e-5)
+LATENT_EPS = 1e-6
 _ATTN = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
 
 
@@ -160,7 +163,7 @@ class DeepseekV3Decoder(MoeDecoder):
             qa = ops.linear(h, w("q_a", l))
             if c.attention_bias:
                 ops.add_(qa, w("q_a_bias", l))
-            qr = ops.rmsnorm(qa, w("q_a_norm", l), c.rms_eps)
+            qr = ops.rmsnorm(qa, w("q_a_norm", l), LATENT_EPS)
             q = ops.linear(qr, w("q_b", l))
         else:
             q = ops.linear(h, w("q", l))
@@ -172,7 +175,7 @@ class DeepseekV3Decoder(MoeDecoder):
         k_pe = np.ascontiguousarray(kv[:, None, cd + self.rot])
         ops.rope(q_pe, pos, self.inv_freq, c.rope.attention_factor)
         ops.rope(k_pe, pos, self.inv_freq, c.rope.attention_factor)
-        row = np.concatenate([ops.rmsnorm(kv[:, :cd], w("kv_a_norm", l), c.rms_eps)[:, None],
+        row = np.concatenate([ops.rmsnorm(kv[:, :cd], w("kv_a_norm", l), LATENT_EPS)[:, None],
                               k_pe], axis=-1)                             # [T, 1, C + R]
         q_lat = np.concatenate([ops.per_head_linear(q[:, :, :nope], w("w_uk", l)), q_pe],
                                axis=-1)                                   # [T, Hq, C + R]
