@@ -754,6 +754,7 @@ class GpuDecoder:
                 self._gather = None
         if self._gather is not None:
             self.stage_d = cuda.to_device(np.asarray(self._stage_h))
+            self.gathered_d = cuda.to_device(np.zeros(c.n_layers, np.int32))   # (the fold's count)
         else:
             self.held_d = cuda.to_device(np.full((c.n_layers, c.n_experts), -1, np.int32))
             self.stage_d = cuda.to_device(np.full((c.n_layers, K), -1, np.int32))
@@ -863,7 +864,8 @@ class GpuDecoder:
         args = (self.slots_d[l], self.ids_all_d[l], self.held_d[l], self.stage_d[l])
         stop = (self.seq_d, self.flag_d, self.req_h, self.ids_req_h, l, cs)
         if self._gather is not None and GATE_FOLD:
-            gm.expert_gate_gather(*args, *self._gather, *stop, GATHER_BLOCKS)
+            gm.expert_gate_gather(*args, *self._gather, *stop[:-1], self.gathered_d, cs,
+                                  GATHER_BLOCKS)
             return
         if self._gather is not None:
             gm.expert_gather(*args, *self._gather, cs, GATHER_BLOCKS)

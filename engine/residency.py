@@ -35,6 +35,7 @@ class VramStats:
     h2d_wait_s: float = 0.0    # decode: time the compute stream stood waiting for expert copies
                                # (one graph a token: the copy stream's, host resolve to flag)
     issue_s: float = 0.0       # time the decode thread spent resolving slots and issuing copies
+                               # (its waits on the host tier are in host_wait_s only)
     spec_predicted: int = 0    # routed experts the speculative router had predicted
     spec_routed: int = 0       # routed experts in layers that had a prediction
     spec_copies: int = 0       # blocks copied to VRAM on a prediction
@@ -281,7 +282,7 @@ class VramResidency:
         """Slots of (layer, e) for e in experts, copying in what is not resident. Afterwards
         `copied` says whether this call issued copies (the compute stream then waits for them;
         wait False: the caller orders the compute after them itself)."""
-        t0 = time.perf_counter()
+        t0, h0 = time.perf_counter(), self.stats.host_wait_s   # (issue_s leaves the host tier out)
         keys = [(layer, e) for e in (experts.tolist() if hasattr(experts, "tolist")
                                      else map(int, experts))]
         spec = self._spec.pop(layer, None) if self._spec else None
@@ -317,7 +318,7 @@ class VramResidency:
                 self._evt.record(self.xs)
                 self._evt.wait(self.cs)
         self.copied = bool(missing)
-        self.stats.issue_s += time.perf_counter() - t0
+        self.stats.issue_s += time.perf_counter() - t0 - (self.stats.host_wait_s - h0)
         return [self.slot_of[k] for k in keys]
 
     def _take(self, keep) -> int:

@@ -224,18 +224,28 @@ def _make_gather(BLOCKS):
 
 def _make_gate_gather(BLOCKS):
     @cuda.jit
-    def gate_gather(slots, ids, held, stage, pool, bank, seq, flag, req, ids_out, layer):
+    def gate_gather(slots, ids, held, stage, pool, bank, seq, flag, req, ids_out, layer, done):
         """grid K * BLOCKS + 1, THREADS: the gather's blocks, then one whose first thread is
-        the gate (expert_gate's arguments)."""
+        the gate (expert_gate's arguments), once every gather block has counted itself in
+        done int32 [L] (zeros; the gate sets its entry back to 0): a request lets the host
+        evict RAM blocks, so none may still be read then. Only the gather's blocks trigger the
+        next launch, which thus cannot take the SMs while the gate waits on the host."""
         pdl_wait()
-        pdl_trigger()
         b = cuda.blockIdx.x
         K = slots.shape[0]
         if b == K * BLOCKS:
             if cuda.threadIdx.x == 0:
+                while cuda.atomic.add(done, layer, int32(0)) < K * BLOCKS:
+                    pause()
+                done[layer] = 0
                 _gate(slots, ids, held, stage, seq, flag, req, ids_out, layer)
             return
+        pdl_trigger()
         _gather_part(b // BLOCKS, b % BLOCKS, BLOCKS, slots, ids, held, stage, pool, bank)
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            cuda.threadfence()          # this block's copies before its count
+            cuda.atomic.add(done, layer, int32(1))
     return pdl_kernel(gate_gather)
 
 
@@ -270,14 +280,15 @@ def expert_gather(slots, ids, held, stage, pool, bank, stream, blocks: int = 0):
 
 
 def expert_gate_gather(slots, ids, held, stage, pool, bank, seq, flag, req, ids_out, layer: int,
-                       stream, blocks: int = 0):
+                       done, stream, blocks: int = 0):
     """expert_gather and expert_gate in one launch (a MoE layer of the streamed token graph
     costs one launch for both): the gate's thread takes the staging slot of each block the
-    RAM cache holds while the other blocks copy it, and asks the host for the rest."""
+    RAM cache holds, once the other blocks have copied them, and asks the host for the rest.
+    done: int32 [L] zeros, the gather blocks' count (left at zero)."""
     _check_gather(pool, bank)
     blocks, kern = _gather_kernel(_make_gate_gather, blocks)
     kern[slots.shape[0] * blocks + 1, THREADS, stream](slots, ids, held, stage, pool, bank, seq,
-                                                       flag, req, ids_out, int32(layer))
+                                                       flag, req, ids_out, int32(layer), done)
 
 
 @cuda.jit(device=True, inline=True)

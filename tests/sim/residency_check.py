@@ -230,7 +230,8 @@ def gather_and_uniform_routes(cs):
     slots = cuda.to_device(np.array([1, -1, -1, -1], np.int32))
     req[0] = -1
     ids_out[:] = 0
-    gm.expert_gate_gather(slots, ids, held, stage, pool, bank, seq, flag, req, ids_out, 2, cs)
+    done = cuda.to_device(np.zeros(3, np.int32))
+    gm.expert_gate_gather(slots, ids, held, stage, pool, bank, seq, flag, req, ids_out, 2, done, cs)
     cs.synchronize()
     assert np.array_equal(bank.copy_to_host(), want)
     assert req[0] == (7 << gm.REQ_SHIFT) | 2
@@ -239,10 +240,11 @@ def gather_and_uniform_routes(cs):
     slots = cuda.to_device(np.array([1, -1, -1], np.int32))
     req[0] = -1
     gm.expert_gate_gather(slots, ids[:3], held, stage[:3], pool, bank, seq, flag, req, ids_out, 1,
-                          cs)
+                          done, cs)
     cs.synchronize()
     assert req[0] == -1 and list(slots.copy_to_host()) == [1, 6, 7]
     assert np.array_equal(bank.copy_to_host(), want)
+    assert not done.copy_to_host().any()       # the gate set the count back for the next token
 
     slot_of_h = rng.permutation(16).astype(np.int32)
     slot_of = cuda.to_device(slot_of_h)
