@@ -862,14 +862,13 @@ class GpuDecoder:
             gm.route_uniform(self.ids_all_d[l], self.slots_d[l], self.slot_of_d[l], self.seq_d,
                              l, c.n_experts, cs)
         args = (self.slots_d[l], self.ids_all_d[l], self.held_d[l], self.stage_d[l])
-        stop = (self.seq_d, self.flag_d, self.req_h, self.ids_req_h, l, cs)
+        stop = (self.seq_d, self.flag_d, self.req_h, self.ids_req_h, l)
         if self._gather is not None and GATE_FOLD:
-            gm.expert_gate_gather(*args, *self._gather, *stop[:-1], self.gathered_d, cs,
-                                  GATHER_BLOCKS)
+            gm.expert_gate_gather(*args, *self._gather, *stop, self.gathered_d, cs, GATHER_BLOCKS)
             return
         if self._gather is not None:
             gm.expert_gather(*args, *self._gather, cs, GATHER_BLOCKS)
-        gm.expert_gate(*args, *stop)
+        gm.expert_gate(*args, *stop, cs)
 
     def _count_token_tiers(self) -> None:
         """After a streamed token graph: VRAM hits the device resolved, and blocks it gathered

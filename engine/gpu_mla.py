@@ -157,9 +157,9 @@ class GpuMlaDecoder(GpuDecoder):
         x, h = b.x[:t], b.h[:t]
         qr = b.qr[:t]
         q2 = qr.reshape(t, -1)
-        if t == 1 and hasattr(b, "qkva"):
-            # a decode token (the one-token buffers): attn_norm fused into the one q_a | kv_a
-            # projection, q_a_norm into q_b
+        if t == 1 and fuse_qa(c):
+            # a decode token (the one-token buffers, which hold qkva): attn_norm fused into the
+            # one q_a | kv_a projection, q_a_norm into q_b
             lq = c.q_lora_rank
             gd.linear(w("qkva", l), x, b.qkva.reshape(1, -1), cs,
                       norm=(w("attn_norm", l), c.rms_eps, 0.0, None))
