@@ -247,7 +247,8 @@ def cuda_status() -> tuple[bool, str]:
 
 GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1", "qwen3_next",
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
-                "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25")
+                "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
+                "deepseek_v32", "glm_moe_dsa")
 
 
 def pick_device(device: str, family: str) -> str:
@@ -264,6 +265,23 @@ def pick_device(device: str, family: str) -> str:
     print(f"device auto: using {'cuda' if ok else 'cpu'}" + ("" if ok else f" ({reason})"),
           file=sys.stderr)
     return "cuda" if ok else "cpu"
+
+
+def context_length(c, device: str, max_context: int | None) -> int:
+    """The run state's positions: max_context, or the config's up to 4096. On cuda, a DSA family
+    (DeepSeek-V3.2, GLM-5) runs dense MLA, which is its sparse attention exactly while the context
+    is at most index_topk (every position is then picked): capped there, or refused above it."""
+    n = int(max_context or min(c.max_position, 4096))
+    cap = getattr(c, "index_topk", 0) if device == "cuda" else 0
+    if cap and n > cap:
+        if max_context:
+            raise ValueError(f"--max-context {max_context}: the cuda backend runs {c.family}'s "
+                             f"sparse attention as dense attention, exact up to index_topk={cap} "
+                             f"positions (config.json); expected at most {cap}, or --device cpu")
+        print(f"{c.family} on cuda: context capped at index_topk={cap} positions (dense "
+              "attention; --device cpu runs the sparse indexer past it)", file=sys.stderr)
+        n = cap
+    return n
 
 
 class Engine:
@@ -322,7 +340,7 @@ class Engine:
                 hint = f"; pack the folder once for speed (python -m engine.pack {ck.dir} DST)"
                 print(f"{ck.dir}: {kind} experts are built when first read and kept in a RAM "
                       f"cache of {budget / 1e9:.1f} GB (--ram-gb){hint}", file=sys.stderr)
-        self.max_context = int(max_context or min(c.max_position, 4096))
+        self.max_context = context_length(c, self.device, max_context)
         if self.device == "cuda":
             self.model = self._gpu_decoder(fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route,
                                            speculate)
@@ -375,8 +393,11 @@ class Engine:
         vram = vram_gb
         ram = ram_gb if ram_gb is not None else getattr(self.experts, "budget", 0) / 1e9
         from engine.gpu import embed_on_host
-        dense_bytes = sum(np.asarray(w).nbytes for n, w in self._dense.items()
-                          if not (embed_on_host(c) and n == name(c.family, "embed")))
+        host_only = {name(c.family, "embed")} if embed_on_host(c) else set()
+        if hasattr(c, "index_topk"):   # DSA's indexer: not uploaded (context_length)
+            from engine.models.deepseek_v32 import indexer_spec
+            host_only |= set(indexer_spec(c))
+        dense_bytes = sum(np.asarray(w).nbytes for n, w in self._dense.items() if n not in host_only)
         if isinstance(c, HybridConfig):   # DeltaNet + gated attention: engine/gpu_hybrid.py
             from engine import gpu_hybrid as g
             Decoder, kv = g.GpuHybridDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
@@ -401,7 +422,7 @@ class Engine:
             per_layer: dict = {}
             for n, w in self._dense.items():
                 m = re.search(r"\.layers\.(\d+)\.", n)
-                if m:
+                if m and n not in host_only:
                     per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + np.asarray(w).nbytes
             glob = dense_bytes - sum(per_layer.values())
             per_layer = {l: int(b * 1.05) + (16 << 10) for l, b in per_layer.items()}

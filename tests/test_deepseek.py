@@ -1,5 +1,6 @@
 """DeepSeek-V3 and -V2 beyond parity (tests/test_parity.py, tests/test_packed.py; the cuda
-backend: tests/test_families_cuda.py, tests/test_mla_cuda.py): what the cuda backend refuses; config refusals; the latent cache's size; the softmax scale at the released
+backend: tests/test_families_cuda.py, tests/test_mla_cuda.py): what the cuda backend refuses
+(V3.2's context past index_topk); config refusals; the latent cache's size; the softmax scale at the released
 shapes."""
 from __future__ import annotations
 
@@ -224,6 +225,22 @@ def test_v32_config_refused():
         family_of({**v32, "q_lora_rank": None})
     with pytest.raises(ConfigError, match="index_head_dim=32 at least qk_rope_head_dim=64"):
         family_of({**v32, "index_head_dim": 32})
+
+
+def test_v32_cuda_context_capped(capsys):
+    """On cuda, DSA runs as dense MLA: exact while every position is picked (context at most
+    index_topk), so the context is capped there and a longer --max-context is refused."""
+    from engine.runtime import context_length
+    v32 = family_of(dict(V3, model_type="deepseek_v32", index_n_heads=64, index_head_dim=128,
+                         index_topk=2048)).config
+    assert context_length(v32, "cpu", None) == 4096
+    assert context_length(v32, "cpu", 100000) == 100000   # the CPU backend runs the indexer
+    assert context_length(v32, "cuda", None) == 2048
+    assert "context capped at index_topk=2048" in capsys.readouterr().err
+    assert context_length(v32, "cuda", 1000) == 1000
+    with pytest.raises(ValueError, match=r"--max-context 4096: .*index_topk=2048 .*at most 2048"):
+        context_length(v32, "cuda", 4096)
+    assert context_length(family_of(V3).config, "cuda", None) == 4096   # no indexer, no cap
 
 
 def test_state_bytes(tiny):

@@ -4,6 +4,8 @@ q/k/v biases, a first dense layer), dots1 (the same MoE beside Qwen3's attention
 (a sigmoid-gated shared expert, q/k/v biases) and gpt_oss (attention sinks, sliding and full
 layers, q/k/v/o biases, a biased router, biased experts with a clamped SwiGLU, YaRN),
 deepseek_v3 / deepseek_v2 / glm4_moe_lite (multi-head latent attention: engine/gpu_mla.py),
+deepseek_v32 / glm_moe_dsa (the same, the context capped at index_topk: engine/runtime.py
+context_length),
 minimax_m2 (q/k norms over all heads, partial RoPE, sigmoid routing over all experts),
 ernie4_5_moe (interleaved RoPE pairs, softmax routing chosen with a bias).
 - CPU-only CI: test_simulator_decoder() runs this file as a script in a subprocess with
@@ -76,6 +78,22 @@ SIM_CASES = {
                           mlp_layer_types=["sparse", "dense"], routed_scaling_factor=1.8,
                           kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                           v_head_dim=8),
+    # DeepSeek-V3.2 / GLM-5 on cuda: dense MLA, the context capped at index_topk (8: the test's
+    # new_state(8)), where the CPU backend's indexer picks every position; GLM-5's second layer
+    # shares the first's picks and has no indexer weights
+    "deepseek_v32": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
+                         moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
+                         num_hidden_layers=2, n_routed_experts=4, n_group=2, topk_group=1,
+                         first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.5,
+                         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                         v_head_dim=6, index_n_heads=2, index_head_dim=8, index_topk=8),
+    "glm_moe_dsa": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
+                        moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
+                        num_hidden_layers=2, n_routed_experts=4, n_shared_experts=1,
+                        mlp_layer_types=["sparse", "dense"], routed_scaling_factor=1.8,
+                        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                        v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=8,
+                        index_topk_pattern="FS"),
     # MiniMax-M2: q/k norms over all heads, 4 of 8 dims rotating, sigmoid routing with a bias
     # over all experts
     "minimax_m2": dict(TINY, head_dim=8, num_local_experts=4, rotary_dim=4),
@@ -85,7 +103,8 @@ SIM_CASES = {
                          tie_word_embeddings=False),
 }
 DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
-            "glm4_moe_lite": "GpuMlaDecoder", "kimi_k25": "GpuMlaDecoder"}
+            "glm4_moe_lite": "GpuMlaDecoder", "kimi_k25": "GpuMlaDecoder",
+            "deepseek_v32": "GpuMlaDecoder", "glm_moe_dsa": "GpuMlaDecoder"}
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))
@@ -121,6 +140,9 @@ def test_simulator_decoder(tmp_path, family):
     ("deepseek_v2", dict(n_routed_experts=16, num_experts_per_tok=3, topk_method="group_limited_greedy",
                          n_group=4, topk_group=2, routed_scaling_factor=16.0)),
     ("glm4_moe_lite", dict(num_attention_heads=20, mlp_layer_types=["dense", "sparse", "sparse"])),
+    # context capped at index_topk (64 here: the 37 tokens fit), where DSA is dense MLA
+    ("deepseek_v32", dict(index_topk=64)),
+    ("glm_moe_dsa", dict(index_topk=64)),
     ("ernie4_5_moe", {}),
     ("ernie4_5_moe", dict(moe_num_experts=16, moe_k=4, moe_layer_start_index=0, hidden_size=64,
                           num_attention_heads=4, num_key_value_heads=1)),

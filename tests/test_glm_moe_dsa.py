@@ -2,7 +2,7 @@
 pairs and its top-k shared across layers. A tiny random model (tests/conftest.py: layers 0 and 2
 run an indexer, layer 1 reads layer 0's picks) against transformers; prefill against token by
 token decode; the prefix cache; which layers' indexer keys are cached; how indexer_types is
-derived from config.json and what is refused; the cpu backend only."""
+derived from config.json and what is refused; on cuda, the context capped at index_topk."""
 from __future__ import annotations
 
 import json
@@ -183,11 +183,18 @@ def test_config_refused(fields, says):
         family_of({**GLM5, **fields})
 
 
-def test_cpu_backend_only(monkeypatch, capfd):
-    """The cuda backend does not run GLM-5: --device cuda says so, auto runs on the CPU."""
+def test_cuda_context_capped(monkeypatch, capfd):
+    """On cuda GLM-5 runs as dense MLA, its context capped at index_topk (where every position
+    is picked); a family the cuda backend lacks is still refused there by name."""
     from engine import runtime
     monkeypatch.setattr(runtime, "cuda_status", lambda: (True, ""))
-    with pytest.raises(RuntimeError, match="--device cuda: the cuda backend does not run glm_moe_dsa yet"):
-        runtime.pick_device("cuda", "glm_moe_dsa")
-    assert runtime.pick_device("auto", "glm_moe_dsa") == "cpu"
-    assert "device auto: using cpu (the cuda backend does not run glm_moe_dsa yet)" in capfd.readouterr().err
+    assert runtime.pick_device("cuda", "glm_moe_dsa") == "cuda"
+    c = family_of(GLM5).config
+    assert runtime.context_length(c, "cuda", None) == 2048
+    assert "glm_moe_dsa on cuda: context capped at index_topk=2048" in capfd.readouterr().err
+    with pytest.raises(ValueError, match="--max-context 2049: the cuda backend runs glm_moe_dsa's"):
+        runtime.context_length(c, "cuda", 2049)
+    with pytest.raises(RuntimeError, match="--device cuda: the cuda backend does not run grok yet"):
+        runtime.pick_device("cuda", "grok")
+    assert runtime.pick_device("auto", "grok") == "cpu"
+    assert "device auto: using cpu (the cuda backend does not run grok yet)" in capfd.readouterr().err

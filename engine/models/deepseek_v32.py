@@ -5,7 +5,9 @@ only the index_topk best; the indexer's keys (one index_head_dim row a position 
 cached beside the latent rows. Up to index_topk positions the selection is every position: dense
 MLA. The indexer's RoPE rotates the first qk_rope_head_dim dims in halves (the attention's comes
 in interleaved pairs; GLM-5's indexer takes the attention's, engine/models/glm_moe_dsa.py, and
-runs in some layers only, the others reading what it picked). CPU backend."""
+runs in some layers only, the others reading what it picked). CPU backend; the cuda backend runs
+these families as dense MLA with the context capped at index_topk, where the two are the same
+(engine/runtime.py dsa_context)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,9 +46,9 @@ class DeepseekV32Config(DeepseekV3Config):
                    index_layers=tuple(range(c.n_layers)))
 
 
-def dense_spec(c: DeepseekV32Config) -> dict[str, tuple]:
-    spec = deepseek_v3.dense_spec(c)
-    f, hd = c.family, c.index_head_dim
+def indexer_spec(c: DeepseekV32Config) -> dict[str, tuple]:
+    """The indexer's weights, a layer that runs one (the cuda backend leaves them on the host)."""
+    f, hd, spec = c.family, c.index_head_dim, {}
     for l in c.index_layers:
         spec[name(f, "idx_wq_b", l)] = (c.index_n_heads * hd, c.q_lora_rank)
         spec[name(f, "idx_wk", l)] = (hd, c.hidden)
@@ -54,6 +56,10 @@ def dense_spec(c: DeepseekV32Config) -> dict[str, tuple]:
         spec[name(f, "idx_k_norm_bias", l)] = (hd,)
         spec[name(f, "idx_w", l)] = (c.index_n_heads, c.hidden)
     return spec
+
+
+def dense_spec(c: DeepseekV32Config) -> dict[str, tuple]:
+    return {**deepseek_v3.dense_spec(c), **indexer_spec(c)}
 
 
 class DsaState(MlaState):
