@@ -23,9 +23,9 @@ FAMILIES = {
     "dots1": dots1,
     "deepseek_v3": deepseek_v3,
     "deepseek_v2": deepseek_v2,
-    "deepseek_v32": deepseek_v32,        # V3.2: V3 with DeepSeek Sparse Attention (CPU backend)
+    "deepseek_v32": deepseek_v32,        # V3.2: V3 with DeepSeek Sparse Attention
     "glm4_moe_lite": glm4_moe_lite,      # GLM-4.7-Flash: DeepSeek-V3's attention and MoE
-    "glm_moe_dsa": glm_moe_dsa,          # GLM-5: V3.2's sparse attention, top-k shared across layers (CPU backend)
+    "glm_moe_dsa": glm_moe_dsa,          # GLM-5: V3.2's sparse attention, top-k shared across layers
     "kimi_k25": kimi_k25,                # the image-text wrapper: its language model (deepseek_v3)
     "minimax_m2": minimax_m2,
     "ernie4_5_moe": ernie4_5_moe,
