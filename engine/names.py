@@ -104,6 +104,29 @@ _MIXTRAL = {
     "expert_down": "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
 }
 
+# DeepSeek-V4: the released checkpoint's names (transformers renames them as it loads)
+_V4_LAYER = {
+    "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
+    "hc_attn_fn": "hc_attn_fn", "hc_attn_base": "hc_attn_base", "hc_attn_scale": "hc_attn_scale",
+    "hc_ffn_fn": "hc_ffn_fn", "hc_ffn_base": "hc_ffn_base", "hc_ffn_scale": "hc_ffn_scale",
+    "q_a": "attn.wq_a.weight", "q_a_norm": "attn.q_norm.weight", "q_b": "attn.wq_b.weight",
+    "kv": "attn.wkv.weight", "kv_norm": "attn.norm.weight", "o_a": "attn.wo_a.weight",
+    "o_b": "attn.wo_b.weight", "sinks": "attn.attn_sink",
+    "cmp_kv": "attn.compressor.wkv.weight", "cmp_gate": "attn.compressor.wgate.weight",
+    "cmp_ape": "attn.compressor.ape", "cmp_norm": "attn.compressor.norm.weight",
+    "idx_kv": "attn.indexer.compressor.wkv.weight", "idx_gate": "attn.indexer.compressor.wgate.weight",
+    "idx_ape": "attn.indexer.compressor.ape", "idx_norm": "attn.indexer.compressor.norm.weight",
+    "idx_q": "attn.indexer.wq_b.weight", "idx_w": "attn.indexer.weights_proj.weight",
+    "router": "ffn.gate.weight", "router_bias": "ffn.gate.bias", "hash": "ffn.gate.tid2eid",
+    "shared_gate": "ffn.shared_experts.w1.weight", "shared_up": "ffn.shared_experts.w3.weight",
+    "shared_down": "ffn.shared_experts.w2.weight",
+    "expert_gate": "ffn.experts.{e}.w1.weight", "expert_up": "ffn.experts.{e}.w3.weight",
+    "expert_down": "ffn.experts.{e}.w2.weight",
+}
+_DEEPSEEK_V4 = {"embed": "embed.weight", "final_norm": "norm.weight", "lm_head": "head.weight",
+                "hc_head_fn": "hc_head_fn", "hc_head_base": "hc_head_base", "hc_head_scale": "hc_head_scale",
+                **{k: "layers.{l}." + v for k, v in _V4_LAYER.items()}}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -127,6 +150,7 @@ NAMES: dict[str, dict[str, str]] = {
     # DeepSeek-V3.2 and GLM-5: V3's names and the DSA indexer's
     "deepseek_v32": _DSA,
     "glm_moe_dsa": _DSA,
+    "deepseek_v4": _DEEPSEEK_V4,
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
     # ERNIE-4.5: the shared experts' names of DeepSeek-V3, its selection bias under moe_statics

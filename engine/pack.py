@@ -48,7 +48,7 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
     ck = Checkpoint(src)
     fam = family_of(ck.config)
     c = fam.config
-    ck.require(fam.dense_spec)
+    ck.require(fam.dense_spec, getattr(fam.config, "int_tensors", ()))
     ck.require(fam.expert_spec)
     ck.tokenizer_path()
     if experts == "nvfp4" and c.moe_layers and \

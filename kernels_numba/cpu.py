@@ -395,12 +395,15 @@ ROWS_A_TASK = 16   # rows a parallel task decodes (its scratch rows are allocate
 
 @njit(inline="always")
 def _glu(clamped, g, u, alpha, limit):
-    """The expert's activation of one gate / up pair: SwiGLU, or gpt-oss's clamped form (the
-    gate clamped from above, up to +-limit, (u + 1) * g * sigmoid(alpha g))."""
+    """The expert's activation of one gate / up pair: SwiGLU; clamped 1 (True): gpt-oss's form
+    (the gate clamped from above, up to +-limit, (u + 1) * g * sigmoid(alpha g)); 2: DeepSeek-V4's
+    (the same clamps, then SwiGLU)."""
     if not clamped:
         return g / (np.float32(1.0) + math.exp(-g)) * u
     g = min(g, limit)
     u = min(max(u, -limit), limit)
+    if clamped == 2:
+        return g / (np.float32(1.0) + math.exp(-g)) * u
     return (u + np.float32(1.0)) * g / (np.float32(1.0) + math.exp(-alpha * g))
 
 
@@ -408,8 +411,8 @@ def _glu(clamped, g, u, alpha, limit):
 def expert_block_mlp(fmt, block, lay, x, out, clamped, bias, alpha, limit):
     """One expert from its block over tokens: x [T, H] f32 -> out [T, H] f32.
 
-    fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). clamped: gpt-oss's activation
-    (_glu) with alpha and limit; bias f32 [2I + H] (gate, up, down biases) or empty. One token:
+    fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). clamped: _glu's mode (0
+    SwiGLU, 1 gpt-oss's with alpha and limit, 2 DeepSeek-V4's with limit); bias f32 [2I + H] (gate, up, down biases) or empty. One token:
     each row is dotted with it as it is read (_row_dot), rows in tasks of ROWS_A_TASK, each with
     its scratch. More: rows are decoded once into float32 scratch rows and summed with 4 tokens
     at a time (_sums4x4; decoding a row for one token made bf16 2.2x and fp8 1.3x slower on the
@@ -745,6 +748,17 @@ class CpuOps:
         expert_block_mlp(FMT_CODE[fmt], block, lay, np.ascontiguousarray(x, dtype=np.float32),
                          out, clamped, bias, alpha, limit)
         return out
+
+    def expert_limited(self, x: np.ndarray, weights, limit: float) -> np.ndarray:
+        """DeepSeek-V4's expert over its tokens: SwiGLU of the gate clamped above at limit and
+        the up projection to +-limit. weights as expert()'s."""
+        if _is_block(weights):
+            return self._block_mlp(x, weights, 2, _NO_BIAS, 0.0, limit)
+        gate, up, down = weights
+        lim = np.float32(limit)
+        g = np.minimum(self.linear(x, gate), lim)
+        u = np.clip(self.linear(x, up), -lim, lim)
+        return self.linear((g / (np.float32(1.0) + np.exp(-g)) * u).astype(np.float32), down)
 
     def expert_clamped(self, x: np.ndarray, weights, biases, alpha: float, limit: float):
         """gpt-oss's expert over its tokens: x [n, H] -> [n, H]. weights (gate, up, down) dense,

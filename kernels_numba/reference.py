@@ -250,6 +250,16 @@ def gpt_oss_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.nda
     return (a @ down.astype(np.float64).T + down_b.astype(np.float64)).astype(np.float32)
 
 
+def limited_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                   limit: float) -> np.ndarray:
+    """DeepSeek-V4's SwiGLU: g = min(x gate^T, limit), u = clip(x up^T, +-limit),
+    out = (g * sigmoid(g) * u) down^T -> [T, H] float32."""
+    x64 = x.astype(np.float64)
+    g = np.minimum(x64 @ gate.astype(np.float64).T, limit)
+    u = np.clip(x64 @ up.astype(np.float64).T, -limit, limit)
+    return ((g / (1.0 + np.exp(-g)) * u) @ down.astype(np.float64).T).astype(np.float32)
+
+
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:
     """x [T, H]; ids, weights [T, K]; experts[e] = (gate, up, down) float -> [T, H] float32."""
     out = np.zeros(x.shape, dtype=np.float64)

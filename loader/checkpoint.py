@@ -29,6 +29,7 @@ DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.flo
           "F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "U32": np.uint32, "I16": np.int16,
           "U16": np.uint16}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
+INT_DTYPES = ("I64", "I32", "I16")
 FP8_SCALES = ("_scale_inv", "_scale")   # suffixes of an FP8 weight's scale tensor (q * scale)
 NVFP4_GROUP = 16                          # NVFP4 values a block scale covers
 TRANSPOSED_FUSED = ("gpt_oss",)           # model types whose fused experts are [E, K, N]
@@ -687,10 +688,11 @@ class Checkpoint:
             return self._dequant_int(name)
         return self._as_f32(self.get(name), self.tensors[name].dtype)
 
-    def require(self, expected: dict[str, tuple]) -> set[str]:
+    def require(self, expected: dict[str, tuple], ints=()) -> set[str]:
         """Prove completeness: every expected tensor present with its shape and a float dtype.
 
-        Returns the names consumed; raises naming the file and tensor on the first mismatch.
+        ints: the names stored as integers (DeepSeek-V4's routing tables). Returns the names
+        consumed; raises naming the file and tensor on the first mismatch.
         """
         missing = [n for n in expected if n not in self.tensors]
         if missing:
@@ -701,9 +703,10 @@ class Checkpoint:
             if t.shape != tuple(shape):
                 raise CheckpointError(f"{t.file}: tensor {name} has shape {list(t.shape)}, "
                                       f"expected {list(shape)}")
-            if t.dtype not in FLOAT_DTYPES:
+            allowed = INT_DTYPES if name in ints else FLOAT_DTYPES
+            if t.dtype not in allowed:
                 raise CheckpointError(f"{t.file}: tensor {name} has dtype {t.dtype}, "
-                                      f"expected one of {', '.join(FLOAT_DTYPES)}")
+                                      f"expected one of {', '.join(allowed)}")
         return set(expected)
 
     # ---- side files ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import (deepseek_v2, deepseek_v3, deepseek_v32, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite,
+from engine.models import (deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite,
                            glm_moe_dsa, gpt_oss, kimi_k25, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_5_moe,
                            qwen3_moe, qwen3_next, qwen3_vl_moe)
 from engine.models.rope import ConfigError
@@ -24,6 +24,7 @@ FAMILIES = {
     "deepseek_v3": deepseek_v3,
     "deepseek_v2": deepseek_v2,
     "deepseek_v32": deepseek_v32,        # V3.2: V3 with DeepSeek Sparse Attention
+    "deepseek_v4": deepseek_v4,          # V4-Flash / V4-Pro: compressed attention, hyper-connections (CPU backend)
     "glm4_moe_lite": glm4_moe_lite,      # GLM-4.7-Flash: DeepSeek-V3's attention and MoE
     "glm_moe_dsa": glm_moe_dsa,          # GLM-5: V3.2's sparse attention, top-k shared across layers
     "kimi_k25": kimi_k25,                # the image-text wrapper: its language model (deepseek_v3)
