@@ -328,15 +328,15 @@ class Engine:
         else:
             self.cores = replace(self.cores, readers=None)   # no reader threads
             self.consumed |= ck.require(fam.expert_spec)
-            built = bool(ck.fp8 or ck.nvfp4 or ck.intq or ck.derived)   # made on read, not mapped
+            built = bool(ck.fp8 or ck.nvfp4 or ck.intq or ck.derived or ck.mxfp4)   # made on read
             budget = 0
             if built:
                 budget = int(ram_gb * 1e9) if ram_gb is not None else int(0.25 * _available_ram())
             self.experts = CheckpointExperts(ck, c.family, ops, budget)
             if built:
-                kind = ("NVFP4" if ck.nvfp4 else "FP8" if ck.fp8 else
-                        "integer-quantized" if ck.intq else
-                        "MXFP4" if any(d[3] is not None for d in ck.derived.values()) else "fused")
+                mx = ck.mxfp4 or any(d[3] is not None for d in ck.derived.values())
+                kind = ("NVFP4" if ck.nvfp4 else "MXFP4" if mx else "FP8" if ck.fp8 else
+                        "integer-quantized" if ck.intq else "fused")
                 hint = f"; pack the folder once for speed (python -m engine.pack {ck.dir} DST)"
                 print(f"{ck.dir}: {kind} experts are built when first read and kept in a RAM "
                       f"cache of {budget / 1e9:.1f} GB (--ram-gb){hint}", file=sys.stderr)

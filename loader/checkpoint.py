@@ -9,8 +9,10 @@ pairs beside E4M3 scales (one a 16 values) and a float32 global scale (_find_nvf
 layouts); the packer copies those bytes into an nvfp4 arena as they are. FP8: an F8_E4M3 weight beside
 `<name>_scale_inv` (one a block: quant_method "fp8", Qwen's and DeepSeek's -FP8 releases) or
 `<name>_scale` (a channel or the tensor: AutoFP8, ModelOpt FP8, compressed-tensors with 8-bit
-float weights), W = q * scale. gpt-oss's MXFP4 experts (quant_method "mxfp4") read as bf16
-too (_split_transposed_experts). Other quantization methods are refused by name.
+float weights) or `<module>.scale` (DeepSeek-V4's release: E8M0 a 128 x 128 block),
+W = q * scale. MXFP4 weights read as bf16 too: gpt-oss's experts (quant_method "mxfp4",
+_split_transposed_experts) and DeepSeek-V4's (a weight of packed E2M1 pairs beside
+`<module>.scale`, E8M0 a 32 values: _find_mxfp4). Other quantization methods are refused by name.
 """
 from __future__ import annotations
 
@@ -144,11 +146,14 @@ class Checkpoint:
         self.fp8: dict[str, tuple] = {}
         # NVFP4 weight name -> (its values, its block scales, its global scale tensor)
         self.nvfp4: dict[str, tuple] = {}
+        # MXFP4 weight name -> (its packed E2M1 pairs [N, K / 2], its E8M0 scales [N, K / 32])
+        self.mxfp4: dict[str, tuple] = {}
         # integer weight name -> (layout "ct" / "gptq" / "awq", its stored tensors, bits, N, K)
         self.intq: dict[str, tuple] = {}
         self._int_layout, self._int_opts = None, {}
         declared = self._quant_config(cfg_path)
         self._find_nvfp4()   # first: its block scales are F8_E4M3 tensors too
+        self._find_mxfp4()
         self._find_fp8(declared)
         self._find_int()
         self.fused: dict[str, str] = {}   # per-expert view name -> the fused tensor it lies in
@@ -217,6 +222,29 @@ class Checkpoint:
                 for extra in beside:
                     self.tensors.pop(base[:-len("weight")] + extra, None)
 
+    def _find_mxfp4(self) -> None:
+        """Register each MXFP4 weight stored as DeepSeek-V4's release does: `<module>.weight`
+        int8 / uint8 [N, K / 2] (E2M1 pairs, element 2j in the low nibble of byte j) beside
+        `<module>.scale` F8_E8M0 [N, K / 32] (2^(s - 127), one a 32 values). It reads as a bf16
+        weight [N, K]; the scale is hidden."""
+        for name, t in list(self.tensors.items()):
+            if t.dtype not in ("I8", "U8") or not name.endswith(".weight"):
+                continue
+            sc = self.tensors.get(name[:-len("weight")] + "scale")
+            if sc is None or sc.dtype != "F8_E8M0":
+                continue
+            if len(t.shape) != 2:
+                raise CheckpointError(f"{t.file}: MXFP4 tensor {name} has shape {list(t.shape)}; "
+                                      "expected a 2-D weight")
+            n, k = t.shape[0], 2 * t.shape[1]
+            if k % 32 or sc.shape != (n, k // 32):
+                raise CheckpointError(f"{sc.file}: tensor {sc.name} has shape {list(sc.shape)}; "
+                                      f"expected [{n}, {k / 32:g}] (one E8M0 scale a 32 values of "
+                                      f"{name}, {n} x {k} in MXFP4)")
+            self.mxfp4[name] = (t, sc)
+            del self.tensors[sc.name]
+            self.tensors[name] = TensorInfo(name, t.file, "BF16", (n, k), t.start, n * k * 2)
+
     def nvfp4_parts(self, name: str) -> tuple | None:
         """An NVFP4 weight as stored: (values uint8 [N, K / 2], block scales uint8 [N, K / 16]
         E4M3 bits, global scale float), its scales checked finite; None for any other tensor."""
@@ -237,6 +265,12 @@ class Checkpoint:
     def mxfp4_parts(self, name: str) -> tuple | None:
         """A gpt-oss expert matrix stored in MXFP4, as stored: (blocks uint8 [N, K / 32, 16],
         E8M0 scales uint8 [N, K / 32]), NaN scales refused; None for any other tensor."""
+        if name in self.mxfp4:   # DeepSeek-V4's: [N, K / 2] pairs, a weight of its own
+            t, sc = self.mxfp4[name]
+            q, s = self._stored(t).view(np.uint8), self._stored(sc)
+            if np.any(s == 0xFF):
+                raise CheckpointError(f"{sc.file}: {sc.name}: NaN E8M0 scale(s) (0xFF)")
+            return q.reshape(q.shape[0], -1, 16), s
         src, e, sl, sc = self.derived.get(name, (None, None, None, None))
         if sc is None:
             return None
@@ -344,8 +378,10 @@ class Checkpoint:
         for name, t in list(self.tensors.items()):
             if t.dtype != "F8_E4M3":
                 continue
-            sc = next((self.tensors[name + x] for x in FP8_SCALES if name + x in self.tensors),
-                      None)
+            names = [name + x for x in FP8_SCALES]
+            if name.endswith(".weight"):   # DeepSeek-V4's release: <module>.scale
+                names.append(name[:-len("weight")] + "scale")
+            sc = next((self.tensors[n] for n in names if n in self.tensors), None)
             if sc is None:
                 raise CheckpointError(f"{t.file}: tensor {name} is FP8 (F8_E4M3) but "
                                       f"{name}{FP8_SCALES[0]} (or {name}{FP8_SCALES[1]}) is "
@@ -670,7 +706,7 @@ class Checkpoint:
             if sl is not None:
                 a = a[..., sl]
             return np.ascontiguousarray(a.T)
-        if name in self.fp8 or name in self.nvfp4 or name in self.intq:
+        if name in self.fp8 or name in self.nvfp4 or name in self.intq or name in self.mxfp4:
             from loader.quant import f32_to_bf16
             return f32_to_bf16(self.get_f32(name))
         return self._stored(t)
@@ -686,6 +722,9 @@ class Checkpoint:
             return dequant_nvfp4(q, s, g, 2 * q.shape[1])
         if name in self.intq:
             return self._dequant_int(name)
+        if name in self.mxfp4:
+            from loader.quant import dequant_mxfp4
+            return dequant_mxfp4(*self.mxfp4_parts(name))
         return self._as_f32(self.get(name), self.tensors[name].dtype)
 
     def require(self, expected: dict[str, tuple], ints=()) -> set[str]:

@@ -174,7 +174,6 @@ def test_config_read():
     (dict(o_groups=3), "o_groups=3 does not divide num_attention_heads \\* head_dim = 128"),
     (dict(num_key_value_heads=4), "num_key_value_heads=4; expected 1"),
     (dict(index_head_dim=4), "index_head_dim=4 must be at least qk_rope_head_dim=8"),
-    (dict(quantization_config={"quant_method": "fp8"}), "deepseek_v4 is read from bf16 / fp32"),
 ])
 def test_config_refused(fields, says):
     with pytest.raises(ConfigError, match=says):
@@ -198,3 +197,110 @@ def test_packed_nvfp4_matches_transformers_on_dequantized_weights(tiny, tmp_path
     m = engine.load(tmp_path / "p", device="cpu")
     assert rel_err(m.logits(ids), want) < 1e-4
     assert_greedy(ref, ids[:8].tolist(), m.generate(ids[:8].tolist(), max_new_tokens=16).output_ids, 16)
+
+
+# ---- the release's format: FP8 layers (E8M0 a block), MXFP4 routed experts ---------------------
+
+FP8_LAYERS = (".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".attn.wo_a.weight",
+              ".attn.wo_b.weight", ".shared_experts.w1.weight", ".shared_experts.w2.weight",
+              ".shared_experts.w3.weight", ".attn.indexer.wq_b.weight")
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def fp8_blocks(w: np.ndarray, b: int):
+    """w [N, K] -> (E4M3 tensor, E8M0 tensor [N / b, K / b] rounded up, the values they hold)."""
+    import torch
+    n, k = w.shape
+    pad = np.zeros((-(-n // b) * b, -(-k // b) * b), np.float32)
+    pad[:n, :k] = w
+    amax = np.abs(pad.reshape(pad.shape[0] // b, b, -1, b)).max(axis=(1, 3))
+    e = np.ceil(np.log2(np.maximum(amax, 1e-30) / 448)).astype(np.int32)
+    scale = np.repeat(np.repeat(np.exp2(e).astype(np.float32), b, 0), b, 1)[:n, :k]
+    q = torch.tensor(w / scale).to(torch.float8_e4m3fn)
+    return q, torch.tensor((e + 127).astype(np.uint8)).view(torch.float8_e8m0fnu), q.float().numpy() * scale
+
+
+def mxfp4(w: np.ndarray):
+    """w [N, K] -> (int8 [N, K / 2] E2M1 pairs, low nibble first; E8M0 [N, K / 32]; the values)."""
+    import torch
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    e = np.ceil(np.log2(np.maximum(np.abs(g).max(-1), 1e-30) / 6)).astype(np.int32)
+    x = g / np.exp2(e)[..., None]
+    idx = np.abs(x[..., None] - E2M1).argmin(-1).astype(np.uint8).reshape(n, k)
+    vals = (E2M1[idx].reshape(n, k // 32, 32) * np.exp2(e)[..., None]).reshape(n, k)
+    packed = (idx[:, 0::2] | (idx[:, 1::2] << 4)).astype(np.uint8)
+    return (torch.tensor(packed.view(np.int8)), torch.tensor((e + 127).astype(np.uint8)).view(torch.float8_e8m0fnu),
+            vals.astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """The tiny model (experts 32 wide: MXFP4 groups) in the release's format with its config's
+    older fields (compress_ratios a layer and one for the MTP layer, num_hash_layers,
+    qk_rope_head_dim, YaRN in rope_scaling), and transformers on the values it holds."""
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+    d = tmp_path_factory.mktemp("v4_release")
+    yarn = {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+            "beta_slow": 1}
+    build(d / "src", moe_intermediate_size=32, rope_parameters=None, rope_scaling=yarn)
+    tensors = {k: v.numpy() for k, v in load_file(d / "src" / "model.safetensors").items()}
+    cfg = json.loads((d / "src" / "config.json").read_text())
+    held, out = {}, {}
+    for k, v in tensors.items():
+        if k.endswith(FP8_LAYERS):
+            out[k], out[k[:-len("weight")] + "scale"], held[k] = fp8_blocks(v, 16)
+        elif ".ffn.experts." in k:
+            out[k], out[k[:-len("weight")] + "scale"], held[k] = mxfp4(v)
+        else:
+            out[k], held[k] = torch.tensor(v), v
+    (d / "dq").mkdir()
+    save_file({k: torch.tensor(v) for k, v in held.items()}, str(d / "dq" / "model.safetensors"))
+    (d / "dq" / "config.json").write_text(json.dumps(cfg))
+    (d / "rel").mkdir()
+    save_file(out, str(d / "rel" / "model.safetensors"))
+    older = {k: v for k, v in cfg.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates",
+                                                       "rope_parameters", "partial_rotary_factor")}
+    older.update(compress_ratios=[0, 4, 8, 4, 0], compress_rate_hca=8, num_hash_layers=1,
+                 qk_rope_head_dim=8, rope_scaling=yarn, expert_dtype="fp4",
+                 quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                      "scale_fmt": "ue8m0", "weight_block_size": [16, 16]})
+    (d / "rel" / "config.json").write_text(json.dumps(older))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / "rel" / f).write_bytes((d / "src" / f).read_bytes())
+    ref = tf.AutoModelForCausalLM.from_pretrained(d / "dq", dtype=torch.float32).eval()
+    return d / "rel", ref
+
+
+def test_release_format_matches_transformers(release, tmp_path, capfd):
+    """FP8 layers and MXFP4 experts dequantized on read; packed, the experts' E2M1 bytes kept."""
+    import torch
+
+    from engine.pack import pack
+    rel, ref = release
+    c = family_of(json.loads((rel / "config.json").read_text())).config
+    assert c.rates == (0, 4, 8, 4) and c.hash_layers == (0,) and c.compress_rope.kind == "yarn"
+    ids = np.random.default_rng().integers(0, 300, 25)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    m = engine.load(rel, device="cpu")
+    assert "MXFP4 experts are built when first read" in capfd.readouterr().err
+    assert rel_err(m.logits(ids), want) < 1e-4
+    pack(rel, tmp_path / "p", "nvfp4", progress=False)
+    assert rel_err(engine.load(tmp_path / "p", device="cpu").logits(ids), want) < 1e-4
+
+
+def test_mxfp4_scale_shape_named(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from loader.checkpoint import Checkpoint, CheckpointError
+    save_file({"w.weight": torch.zeros(4, 32, dtype=torch.int8),
+               "w.scale": torch.zeros(4, 3, dtype=torch.uint8).view(torch.float8_e8m0fnu)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"tensor w.scale has shape \[4, 3\]; expected \[4, 2\] "
+                                              r"\(one E8M0 scale a 32 values of w.weight, 4 x 64 in MXFP4\)"):
+        Checkpoint(tmp_path)

@@ -23,7 +23,8 @@
   the token id (hash_moe), the others by top-k of scores + bias; weights the chosen scores
   normalized, times routed_scaling_factor; one shared expert; SwiGLU with the gate clamped
   above and the up projection on both sides at swiglu_limit.
-Names: the released checkpoint's (layers.{l}.attn.wq_a.weight...). Legend: n = hc_mult,
+Names: the released checkpoint's (layers.{l}.attn.wq_a.weight...); its FP8 layers and MXFP4
+experts are dequantized by the loader (loader/checkpoint.py). Legend: n = hc_mult,
 D = head_dim, R = rotary dims, m = compress rate, Di = index_head_dim.
 """
 from __future__ import annotations
@@ -66,10 +67,6 @@ class DeepseekV4Config(MoeConfig):
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekV4Config":
         cfg = dict(cfg)
-        if cfg.get("quantization_config"):
-            raise ConfigError("config.json: quantization_config is set; deepseek_v4 is read from "
-                              "bf16 / fp32 checkpoints so far (not yet the release's FP8 layers "
-                              "with FP4 experts)")
         cfg.setdefault("num_key_value_heads", 1)
         cfg.setdefault("num_experts", cfg.get("n_routed_experts"))
         n = int(need(cfg, "num_hidden_layers"))
