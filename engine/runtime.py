@@ -682,8 +682,9 @@ class Engine:
     def state_bytes_per_token(self, first: int, n: int) -> float:
         """Mean bytes of sequence state a decode token reads, over the n tokens at positions
         first.. first + n - 1: the K and V rows of every attention layer (up to a sliding
-        window, or the index_topk rows a DSA layer picks, beside its indexer's float32 keys) and
-        the float32 conv and recurrent state of the DeltaNet layers."""
+        window, or the index_topk rows a DSA layer picks, beside its indexer's float32 keys), the
+        compressed entries DeepSeek-V4's layers read, and the float32 conv and recurrent state of
+        the DeltaNet layers."""
         from engine.models.hybrid import HybridConfig
         c = self.config
         pos = np.arange(first, first + max(n, 1)) + 1
@@ -694,6 +695,16 @@ class Engine:
         elif getattr(c, "index_topk", 0):   # DSA: index_topk picked rows; the indexer reads
             windows = (c.index_topk,) * c.n_layers   # every key only where there is a choice
             fixed = 4 * c.index_head_dim * len(c.index_layers) * np.where(pos > c.index_topk, pos, 0).mean()
+        elif getattr(c, "rates", ()):   # DeepSeek-V4: a window of key rows a layer, and the
+            windows = (c.sliding_window,) * c.n_layers   # float32 entries a compressed layer reads
+            fixed = 0.0                                  # (CSA: its picks, and its indexer's keys)
+            for kind, m in zip(c.layer_types, c.rates):
+                if m:
+                    n_ent = pos // m
+                    picked = np.minimum(n_ent, c.csa_topk) if kind.startswith("compressed_sparse") else n_ent
+                    fixed += 4 * c.head_dim * picked.mean()
+                    if kind.startswith("compressed_sparse"):
+                        fixed += 4 * c.csa_dim * n_ent.mean()
         else:   # a window a layer (gpt-oss alternates sliding and full layers) or one for all
             windows = getattr(c, "layer_windows", ()) or (c.sliding_window,) * c.n_layers
             fixed = 0

@@ -304,3 +304,21 @@ def test_mxfp4_scale_shape_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"tensor w.scale has shape \[4, 3\]; expected \[4, 2\] "
                                               r"\(one E8M0 scale a 32 values of w.weight, 4 x 64 in MXFP4\)"):
         Checkpoint(tmp_path)
+
+
+def test_bf16_cache_rounds_the_key_rows(tiny):
+    """kv_cache="bf16": the key (= value) rows stored rounded, as the other families' are."""
+    from kernels_numba.cpu import round_bf16
+    m = engine.load(tiny[0], device="cpu", kv_cache="bf16").model
+    st = m.new_state(16)
+    m.forward(np.random.default_rng().integers(0, 300, 9), st)
+    assert np.array_equal(st.k[:, :9], round_bf16(st.k[:, :9])) and np.any(st.k[:, :9])
+
+
+def test_state_bytes_per_token(tiny):
+    """A token at position 15 (16 positions): 6 window rows a layer; layer 1 (CSA, m 4) its 3
+    picks of 4 entries and 4 indexer keys; layer 2 (HCA, m 8) both entries; layer 3 as layer 1."""
+    m = engine.load(tiny[0], device="cpu")
+    d, di = 32, 16
+    want = 4 * (4 * 6 * d + 2 * (3 * d + 4 * di) + 2 * d)
+    assert m.state_bytes_per_token(15, 1) == want

@@ -360,7 +360,7 @@ class DeepseekV4Decoder(MoeDecoder):
         q = rms(ops.linear(qr, w("q_b", l)).reshape(t, heads, d), c.rms_eps)
         q = rope_tail(q, pos, freq)
         kv = rope_tail(ops.rmsnorm(ops.linear(h, w("kv", l)), w("kv_norm", l), c.rms_eps), pos, freq)
-        st.k[l, pos[0]:pos[0] + t] = kv
+        ops.kv_store(st.k[l], st.v[l], int(pos[0]), kv, kv, self.kv_bf16)   # K = V: one row
         entries, seen = None, None
         if kind != SLIDING:
             entries = self.compress(l, "cmp", h, pos, st)
