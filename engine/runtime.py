@@ -318,6 +318,8 @@ class Engine:
             if n:
                 print(f"{c.family}: skipping {what} ({n} tensors under {prefix}*)", file=sys.stderr)
         self.tokenizer = load_tokenizer(ck.dir, ck.tokenizer_path())
+        if getattr(c, "chat_template", None):   # DeepSeek-V4's release has no Jinja template
+            self.tokenizer.default_template(c.chat_template)
         self.consumed = ck.require(fam.dense_spec, getattr(fam.config, "int_tensors", ()))
         self._dense = {n: ops.weight(ck.get(n)) for n in fam.dense_spec}
         self.packed = (ck.dir / "manifest.json").is_file()

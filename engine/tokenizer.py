@@ -163,7 +163,13 @@ class Tokenizer:
             special[key] = v
         self.bos_token = special.get("bos_token")
         self.add_bos = bool(tokenizer_config.get("add_bos_token", False)) and self.bos_token is not None
+        self.special = special
         self.chat_template = ChatTemplate(template_source, special) if template_source else None
+
+    def default_template(self, source: str) -> None:
+        """A family's built-in chat template, taken where the folder ships none."""
+        if self.chat_template is None:
+            self.chat_template = ChatTemplate(source, self.special)
 
     @property
     def vocab_size(self) -> int:

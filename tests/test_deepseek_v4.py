@@ -322,3 +322,19 @@ def test_state_bytes_per_token(tiny):
     d, di = 32, 16
     want = 4 * (4 * 6 * d + 2 * (3 * d + 4 * di) + 2 * d)
     assert m.state_bytes_per_token(15, 1) == want
+
+
+def test_builtin_chat_template(tiny):
+    """The release ships no Jinja template: the built-in one renders its encoder's format."""
+    from engine.tokenizer import TemplateError
+    tok = engine.load(tiny[0], device="cpu").tokenizer
+    bos, eos, user, asst = ("<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+                            "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>")
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    head = f"{bos}S{user}Hi{asst}</think>Hello{eos}{user}Bye"
+    assert tok.apply_chat_template(msgs) == head + f"{asst}</think>"
+    assert tok.apply_chat_template(msgs, enable_thinking=True) == head + f"{asst}<think>"
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == head
+    with pytest.raises(TemplateError, match="tool definitions are not rendered"):
+        tok.apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "f"}}])

@@ -37,6 +37,31 @@ from engine.models.base import MoeConfig, MoeDecoder, RunState, check_room, need
 from engine.models.rope import ConfigError, RopeConfig, rope_params
 from engine.names import expert_names, name
 
+# The release's prompt format (its encoding/encoding_dsv4.py; the release has no Jinja template):
+# the system text straight after BOS; each user turn then the assistant's prefix, with <think>
+# (thinking: chat_template_kwargs enable_thinking) or </think>; earlier turns' reasoning dropped;
+# a tool's result as a user turn. Tool definitions and calls (its DSML) are not rendered: refused.
+CHAT_TEMPLATE = (
+    "{%- if tools -%}{{ raise_exception('deepseek_v4: tool definitions are not rendered by the "
+    "built-in chat template') }}{%- endif -%}"
+    "{%- set thinking = enable_thinking | default(false) -%}"
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] in ('user', 'tool') -%}{%- set ns.last = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{{ m['content'] }}"
+    "{%- elif m['role'] in ('user', 'tool') -%}"
+    "{%- if m['role'] == 'tool' -%}{{ '<\uff5cUser\uff5c><tool_result>' + m['content'] + '</tool_result>' }}"
+    "{%- else -%}{{ '<\uff5cUser\uff5c>' + m['content'] }}{%- endif -%}"
+    "{%- if loop.index0 < ns.last or add_generation_prompt or not loop.last -%}"
+    "{{ '<\uff5cAssistant\uff5c>' + ('<think>' if thinking and loop.index0 == ns.last else '</think>') }}"
+    "{%- endif -%}"
+    "{%- elif m['role'] == 'assistant' -%}{{ m['content'] + '<\uff5cend\u2581of\u2581sentence\uff5c>' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}     # legacy compress_ratios: the released configs'
 
@@ -59,6 +84,8 @@ class DeepseekV4Config(MoeConfig):
     swiglu_limit: float = 0.0
     int_tensors: tuple = ()         # tensors stored as integers (the hash layers' tables)
     ignored_parts: tuple = ()
+
+    chat_template = CHAT_TEMPLATE   # where the folder has none (a class attribute, not a field)
 
     @property
     def kv_tensors(self) -> int:
