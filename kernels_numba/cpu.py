@@ -671,8 +671,12 @@ class CpuOps:
         return np.ascontiguousarray(np.matmul(x.transpose(1, 0, 2), w).transpose(1, 0, 2))
 
     def scatter_add_rows(self, out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.ndarray):
-        """out[rows[i]] += scale[i] * y[i]; rows are distinct (each token routes to an expert once)."""
-        out[rows] += y * scale[:, None]
+        """out[rows[i]] += scale[i] * y[i]. A row may repeat (a token routed to one expert twice:
+        DeepSeek-V4's hash tables do not forbid it): each adds."""
+        if len(np.unique(rows)) == len(rows):
+            out[rows] += y * scale[:, None]
+        else:
+            np.add.at(out, rows, y * scale[:, None])
 
     def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
         rows = table[ids]

@@ -70,8 +70,9 @@ def released_names(sd: dict, n_experts: int) -> dict:
     return out
 
 
-def build(dst, seed=None, **over):
-    """The tiny model saved into dst under the released names; transformers' model on it."""
+def build(dst, seed=None, repeats=False, **over):
+    """The tiny model saved into dst under the released names; transformers' model on it.
+    repeats: hash tables that may route a token to one expert twice."""
     import torch
     import transformers as tf
     from safetensors.torch import save_file
@@ -84,6 +85,8 @@ def build(dst, seed=None, **over):
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)
+            elif n.endswith("tid2eid") and repeats:
+                b.copy_(torch.tensor(rng.integers(0, cfg.n_routed_experts, tuple(b.shape))))
             elif n.endswith("tid2eid"):   # each token its own distinct experts
                 b.copy_(torch.tensor(np.argsort(rng.random((b.shape[0], cfg.n_routed_experts)),
                                                 axis=1)[:, :b.shape[1]]))
@@ -95,6 +98,8 @@ def build(dst, seed=None, **over):
     model.eval()
     dst.mkdir(parents=True, exist_ok=True)
     tensors = released_names(model.state_dict(), cfg.n_routed_experts)
+    if cfg.tie_word_embeddings:
+        del tensors["head.weight"]
     tensors["mtp.0.attn.wq_a.weight"] = torch.zeros(cfg.q_lora_rank, cfg.hidden_size)   # skipped
     save_file(tensors, str(dst / "model.safetensors"))
     (dst / "config.json").write_text(json.dumps({**cfg.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]}))
@@ -136,6 +141,31 @@ def test_logits_and_greedy_match_transformers(tiny, capfd):
     assert rel_err(m.logits(ids), want) < 1e-4
     prompt = ids[:9].tolist()   # decode closes CSA and HCA windows and lets the indexer choose
     assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=24).output_ids, 24)
+
+
+def test_other_settings_match_transformers(tmp_path):
+    """Four streams, tied embeddings, a 4-row window, more picks than entries, no swiglu_limit
+    in config.json (transformers' 10 then), hash tables that repeat an expert; a prompt that
+    wraps every ring several times, in one forward and in uneven pieces."""
+    import torch
+    import transformers as tf
+    over = dict(hc_mult=4, tie_word_embeddings=True, sliding_window=4, index_topk=50,
+                swiglu_limit=10.0, routed_scaling_factor=1.5)
+    build(tmp_path, repeats=True, **over)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items()
+                                                      if k not in ("swiglu_limit", "routed_scaling_factor")}))
+    ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = np.random.default_rng().integers(0, 300, 61)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    m = engine.load(tmp_path, device="cpu").model
+    assert rel_err(m.forward(ids, m.new_state(64), all_logits=True), want) < 1e-4
+    st, parts, at = m.new_state(64), [], 0
+    for n in (3, 7, 13, 1, 17, 20):
+        parts.append(m.forward(ids[at:at + n], st, all_logits=True))
+        at += n
+    assert rel_err(np.concatenate(parts), want) < 1e-4
 
 
 def test_prefill_equals_token_by_token(tiny):
@@ -312,7 +342,7 @@ def test_bf16_cache_rounds_the_key_rows(tiny):
     m = engine.load(tiny[0], device="cpu", kv_cache="bf16").model
     st = m.new_state(16)
     m.forward(np.random.default_rng().integers(0, 300, 9), st)
-    assert np.array_equal(st.k[:, :9], round_bf16(st.k[:, :9])) and np.any(st.k[:, :9])
+    assert np.array_equal(st.k, round_bf16(st.k)) and np.all(np.any(st.k, axis=-1))
 
 
 def test_state_bytes_per_token(tiny):
@@ -336,5 +366,10 @@ def test_builtin_chat_template(tiny):
     assert tok.apply_chat_template(msgs) == head + f"{asst}</think>"
     assert tok.apply_chat_template(msgs, enable_thinking=True) == head + f"{asst}<think>"
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == head
+    # a run of user / tool messages is one turn; an answer after the last one keeps its reasoning
+    more = msgs + [{"role": "tool", "content": "R"}, {"role": "assistant", "content": "A",
+                                                     "reasoning_content": "why"}]
+    assert tok.apply_chat_template(more, add_generation_prompt=False, enable_thinking=True) == \
+        head + f"\n\n<tool_result>R</tool_result>{asst}<think>why</think>A{eos}"
     with pytest.raises(TemplateError, match="tool definitions are not rendered"):
         tok.apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "f"}}])

@@ -38,32 +38,46 @@ from engine.models.rope import ConfigError, RopeConfig, rope_params
 from engine.names import expert_names, name
 
 # The release's prompt format (its encoding/encoding_dsv4.py; the release has no Jinja template):
-# the system text straight after BOS; each user turn then the assistant's prefix, with <think>
-# (thinking: chat_template_kwargs enable_thinking) or </think>; earlier turns' reasoning dropped;
-# a tool's result as a user turn. Tool definitions and calls (its DSML) are not rendered: refused.
+# the system text straight after BOS; a run of user, developer and tool-result messages as one
+# user turn (joined by blank lines), then the assistant's prefix with <think> (thinking:
+# chat_template_kwargs enable_thinking, the last turn only) or </think>; earlier turns' reasoning
+# dropped. Tool definitions and calls (its DSML) are not rendered: refused.
+_U = ("user", "developer", "tool")
 CHAT_TEMPLATE = (
     "{%- if tools -%}{{ raise_exception('deepseek_v4: tool definitions are not rendered by the "
     "built-in chat template') }}{%- endif -%}"
     "{%- set thinking = enable_thinking | default(false) -%}"
     "{%- set ns = namespace(last=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] in ('user', 'tool') -%}{%- set ns.last = loop.index0 -%}"
+    "{%- for m in messages -%}{%- if m['role'] in " + repr(_U) + " -%}{%- set ns.last = loop.index0 -%}"
     "{%- endif -%}{%- endfor -%}"
     "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
     "{%- for m in messages -%}"
+    "{%- set prev = messages[loop.index0 - 1]['role'] if not loop.first else none -%}"
+    "{%- set next = messages[loop.index0 + 1]['role'] if not loop.last else none -%}"
     "{%- if m['role'] == 'system' -%}{{ m['content'] }}"
-    "{%- elif m['role'] in ('user', 'tool') -%}"
-    "{%- if m['role'] == 'tool' -%}{{ '<\uff5cUser\uff5c><tool_result>' + m['content'] + '</tool_result>' }}"
-    "{%- else -%}{{ '<\uff5cUser\uff5c>' + m['content'] }}{%- endif -%}"
-    "{%- if loop.index0 < ns.last or add_generation_prompt or not loop.last -%}"
+    "{%- elif m['role'] in " + repr(_U) + " -%}"
+    "{{ '\n\n' if prev in " + repr(_U) + " else '<\uff5cUser\uff5c>' }}"
+    "{{ '<tool_result>' + m['content'] + '</tool_result>' if m['role'] == 'tool' else m['content'] }}"
+    "{%- if next not in " + repr(_U) + " and (next is not none or add_generation_prompt) -%}"
     "{{ '<\uff5cAssistant\uff5c>' + ('<think>' if thinking and loop.index0 == ns.last else '</think>') }}"
     "{%- endif -%}"
-    "{%- elif m['role'] == 'assistant' -%}{{ m['content'] + '<\uff5cend\u2581of\u2581sentence\uff5c>' }}"
+    "{%- elif m['role'] == 'assistant' -%}"
+    "{%- if thinking and loop.index0 > ns.last -%}{{ (m.get('reasoning_content') or '') + '</think>' }}"
+    "{%- endif -%}"
+    "{{ m['content'] + '<\uff5cend\u2581of\u2581sentence\uff5c>' }}"
+    "{%- else -%}{{ raise_exception('deepseek_v4: a message of role ' + m['role'] + ' (expected "
+    "system, user, developer, tool or assistant)') }}"
     "{%- endif -%}"
     "{%- endfor -%}"
 )
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}     # legacy compress_ratios: the released configs'
+
+
+def _get(cfg: dict, key: str, default):
+    """config.json's value, or transformers' default where it has none."""
+    return default if cfg.get(key) is None else cfg[key]
 
 
 @dataclass(frozen=True)
@@ -170,7 +184,7 @@ class DeepseekV4Config(MoeConfig):
                               f"qk_rope_head_dim={rd}")
         hash_layers = tuple(l for l, t in enumerate(mlp_types) if t == "hash_moe")
         f.update(moe_layers=tuple(range(n)), routing="sqrtsoftplus",
-                 routed_scale=float(cfg.get("routed_scaling_factor") or 1.0),
+                 routed_scale=float(_get(cfg, "routed_scaling_factor", 1.5)),
                  shared_intermediate=int(need(cfg, "moe_intermediate_size")),
                  rms_eps=float(cfg.get("rms_norm_eps") or 1e-6))
         return cls(**f, moe_intermediate=int(need(cfg, "moe_intermediate_size")), norm_topk_prob=True,
@@ -182,7 +196,7 @@ class DeepseekV4Config(MoeConfig):
                    csa_topk=int(cfg.get("index_topk") or 512), compress_rope=compress,
                    hc_mult=int(cfg.get("hc_mult") or 4), hc_iters=int(cfg.get("hc_sinkhorn_iters") or 20),
                    hc_eps=float(cfg.get("hc_eps") or 1e-6),
-                   swiglu_limit=float(cfg.get("swiglu_limit") or 0.0),
+                   swiglu_limit=float(_get(cfg, "swiglu_limit", 10.0)),
                    sliding_window=int(cfg.get("sliding_window") or 128),
                    int_tensors=tuple(name(f["family"], "hash", l) for l in hash_layers),
                    ignored_parts=(("mtp.", "the multi-token-prediction (MTP) layers"),)
@@ -261,16 +275,17 @@ def softmax(x, axis=-1):
 
 
 class V4State(RunState):
-    """k [L, S_max, D]: every layer's key (= value) rows. A compressed layer's entries
-    [S_max // m + 1, D] (and a CSA layer's indexer's [.., Di]) and the projections of its last
-    2m tokens (rows at position % 2m: a CSA entry pools two windows), from which each window's
-    entry is made as it closes. The last windows' raw rows are overwritten as the state moves
-    on, so it cannot go back (MoeDecoder.rewinds False)."""
+    """k [L, W, D]: each layer's key (= value) rows of the last W = sliding_window positions
+    (position p at row p % W). A compressed layer's entries [S_max // m + 1, D] (and a CSA
+    layer's indexer's [.., Di]) and the projections of its last 2m tokens (rows at position
+    % 2m: a CSA entry pools two windows), from which each window's entry is made as it closes.
+    Rows are overwritten as the state moves on, so it cannot go back (rewinds False)."""
 
     def __init__(self, ops, c: DeepseekV4Config, max_context: int):
         self.max_context, self.pos = max_context, 0
-        self.k = np.zeros((c.n_layers, max_context, c.head_dim), np.float32)
+        self.k = np.zeros((c.n_layers, c.sliding_window, c.head_dim), np.float32)
         self.v = self.k
+        self.rates = {}
         self.parts: dict = {}   # (layer, "cmp" | "idx") -> {"entries", "kv", "gate"}
         for l, (kind, m) in enumerate(zip(c.layer_types, c.rates)):
             if kind == SLIDING:
@@ -279,39 +294,33 @@ class V4State(RunState):
                 if part == "idx" and kind != CSA:
                     continue
                 w = 2 * dim if kind == CSA else dim
+                self.rates[f"{l}.{part}.entries"] = m
                 self.parts[l, part] = {"entries": np.zeros((max_context // m + 1, dim), np.float32),
                                        "kv": np.zeros((2 * m, w), np.float32),
                                        "gate": np.zeros((2 * m, w), np.float32)}
 
-    def arrays(self):
+    def arrays(self, keep: int | None = None):
+        """(name, array) of everything the state holds; keep: the entries up to position keep."""
         yield "k", self.k
         for (l, part), d in sorted(self.parts.items()):
             for key, a in d.items():
-                yield f"{l}.{part}.{key}", a
+                name = f"{l}.{part}.{key}"
+                yield name, a if keep is None or key != "entries" else a[:keep // self.rates[name]]
 
     def copy_into(self, dst, keep: int) -> None:
-        for (key, a), (_, b) in zip(self.arrays(), dst.arrays()):
-            if key == "k":
-                b[:, :keep] = a[:, :keep]
-            else:
-                n = min(len(a), len(b))
-                b[:n] = a[:n]
+        for (_, a), (_, b) in zip(self.arrays(keep), dst.arrays()):
+            b[:len(a)] = a
         dst.pos = keep
 
     def save_nbytes(self, keep: int) -> int:
-        return sum(a.nbytes for _, a in self.arrays()) - self.k[:, keep:].nbytes
+        return sum(a.nbytes for _, a in self.arrays(keep))
 
     def save(self, keep: int) -> dict:
-        return {key: (a[:, :keep] if key == "k" else a).copy() for key, a in self.arrays()}
+        return {key: a.copy() for key, a in self.arrays(keep)}
 
     def load(self, saved: dict, keep: int) -> None:
         for key, a in self.arrays():
-            got = saved[key]
-            if key == "k":
-                a[:, :keep] = got[:, :keep]
-            else:
-                n = min(len(a), len(got))
-                a[:n] = got[:n]
+            a[:len(saved[key])] = saved[key]
         self.pos = keep
 
 
@@ -387,7 +396,8 @@ class DeepseekV4Decoder(MoeDecoder):
         q = rms(ops.linear(qr, w("q_b", l)).reshape(t, heads, d), c.rms_eps)
         q = rope_tail(q, pos, freq)
         kv = rope_tail(ops.rmsnorm(ops.linear(h, w("kv", l)), w("kv_norm", l), c.rms_eps), pos, freq)
-        ops.kv_store(st.k[l], st.v[l], int(pos[0]), kv, kv, self.kv_bf16)   # K = V: one row
+        if self.kv_bf16:   # stored rounded, as the other families' bf16 caches
+            ops.kv_store(kv, kv, 0, kv, kv, True)
         entries, seen = None, None
         if kind != SLIDING:
             entries = self.compress(l, "cmp", h, pos, st)
@@ -396,21 +406,27 @@ class DeepseekV4Decoder(MoeDecoder):
             seen = np.arange(len(entries))[None, :] < ready[:, None]          # [T, n_entries]
             if kind == CSA:
                 seen &= self.index(l, h, qr, pos, st, ready)
+        # the window: the ring's rows before this forward, then its own
+        win, p0 = c.sliding_window, int(pos[0])
+        base = max(0, p0 - win + 1)
+        rows = np.concatenate([st.k[l, np.arange(base, p0) % win], kv])      # positions base..
         sinks = self.f32("sinks", l)
         out = np.empty((t, heads, d), np.float32)
         for i, p in enumerate(pos):
-            lo = max(0, int(p) - c.sliding_window + 1)
-            keys = st.k[l, lo:p + 1]
+            keys = rows[max(0, int(p) - win + 1) - base:int(p) + 1 - base]
             if entries is not None:
                 keys = np.concatenate([keys, entries[seen[i]]])
             s = (q[i] @ keys.T) * np.float32(d ** -0.5)                      # [Hq, S]
             mx = np.maximum(s.max(-1), sinks)[:, None]
             e = np.exp(s - mx)
             out[i] = (e / (e.sum(-1, keepdims=True) + np.exp(sinks[:, None] - mx))) @ keys
+        keep = pos[-min(t, win):]
+        st.k[l, keep % win] = kv[-len(keep):]
         out = rope_tail(out, pos, freq, -1.0)                                 # the value's rotation undone
-        g = c.o_groups
-        wa = self.f32("o_a", l).reshape(g, c.o_lora_rank, -1)
-        y = np.einsum("tgi,goi->tgo", out.reshape(t, g, -1), wa).reshape(t, -1)
+        g, r = c.o_groups, c.o_lora_rank   # o_a: a [r, Hq D / g] block a group
+        out, wa = out.reshape(t, g, -1), w("o_a", l)
+        y = np.concatenate([ops.linear(np.ascontiguousarray(out[:, j]), wa[j * r:(j + 1) * r])
+                            for j in range(g)], axis=-1)
         return ops.linear(y, w("o_b", l))
 
     def compress(self, l: int, part: str, h, pos: np.ndarray, st: V4State) -> np.ndarray:
