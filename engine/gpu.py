@@ -217,6 +217,8 @@ class GpuDecoder:
         self._w = {}
         self._weight = weight
         self.inv_freq = cuda.to_device(c.rope.inv_freq())
+        # NoPE layers (K-EXAONE's full ones): RoPE by zero angles, the identity, in the same launch
+        self.no_freq = cuda.to_device(np.zeros_like(c.rope.inv_freq())) if c.nope_layers else None
         self.res = VramResidency(plan.vram_slots, layout.block_bytes, experts_host, self.xs, self.cs)
         from engine.residency import h2d_copier
         streamed = plan.dense_streamed
@@ -1013,18 +1015,21 @@ class GpuDecoder:
         k3 = k.reshape(t, c.n_kv_heads, c.head_dim)
         v3 = v.reshape(t, c.n_kv_heads, c.head_dim)
         pos = b.pos[:t]
+        freq, scale = self.inv_freq, c.rope.attention_factor
+        if l in c.nope_layers:
+            freq, scale = self.no_freq, 1.0
         if c.qk_norm == "head":   # per-head norms, RoPE of q and k and the cache store: one launch
             gd.qk_norm_rope(q3, k3, self.w("q_norm", l), self.w("k_norm", l), c.rms_eps, pos,
-                            self.inv_freq, c.rope.attention_factor, cs, cache=(v3, st.k[l], st.v[l]))
+                            freq, scale, cs, cache=(v3, st.k[l], st.v[l]))
         else:
-            gd.rope(q3, pos, self.inv_freq, cs, c.rope.attention_factor)
-            gd.rope(k3, pos, self.inv_freq, cs, c.rope.attention_factor)
+            gd.rope(q3, pos, freq, cs, scale)
+            gd.rope(k3, pos, freq, cs, scale)
             gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
         oss = clamped(c)
         ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
                      _partials(b.partials, t, c.n_heads), cs,
-                     c.layer_windows[l] if oss else c.sliding_window,
+                     c.layer_windows[l] if c.layer_windows else c.sliding_window,
                      sinks=self.w("sinks", l) if oss else None)
         self._linear_add(self.w("o", l), b.att[:t], b.o[:t], x)
         if oss and c.attention_bias:

@@ -137,6 +137,8 @@ NAMES: dict[str, dict[str, str]] = {
                    "router_bias": "model.layers.{l}.block_sparse_moe.e_score_correction_bias"},
     "glm4_moe": _SIGMOID_MOE,
     "dots1": _SIGMOID_MOE,
+    # K-EXAONE: its selection bias beside the router, not under it
+    "exaone_moe": {**_SIGMOID_MOE, "router_bias": "model.layers.{l}.mlp.e_score_correction_bias"},
     "deepseek_v3": _DEEPSEEK_V3,
     "deepseek_v2": _DEEPSEEK_V3,
     "glm4_moe_lite": _DEEPSEEK_V3,

@@ -62,6 +62,12 @@ def hf_config(family: str, **over):
                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                   num_hidden_layers=3, attention_bias=True, n_group=1, topk_group=1)
         cls = tf.Glm4MoeConfig
+    elif family == "exaone_moe":
+        # layers 0 and 1 sliding (window 4, RoPE), layer 2 full without RoPE; layer 0 dense
+        kw.update(intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                  num_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, n_group=2,
+                  topk_group=1, sliding_window=4, sliding_window_pattern=3)
+        cls = tf.ExaoneMoeConfig
     elif family == "deepseek_v3":
         # MLA: low-rank q (q_lora_rank), a 16-wide latent, 8 rotary dims, 12 + 8 query dims
         kw.update(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
@@ -170,7 +176,8 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
            "gpt_oss": tf.GptOssForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM,
            "deepseek_v2": tf.DeepseekV2ForCausalLM, "deepseek_v32": tf.DeepseekV32ForCausalLM,
            "glm_moe_dsa": tf.GlmMoeDsaForCausalLM, "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
-           "minimax_m2": tf.MiniMaxM2ForCausalLM, "ernie4_5_moe": tf.Ernie4_5_MoeForCausalLM}[family]
+           "minimax_m2": tf.MiniMaxM2ForCausalLM, "ernie4_5_moe": tf.Ernie4_5_MoeForCausalLM,
+           "exaone_moe": tf.ExaoneMoeForCausalLM}[family]
     model = cls(cfg)
     widen_init(model)
     with torch.no_grad():   # a buffer, not a parameter: a selection bias that matters

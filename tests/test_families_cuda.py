@@ -7,7 +7,8 @@ deepseek_v3 / deepseek_v2 / glm4_moe_lite (multi-head latent attention: engine/g
 deepseek_v32 / glm_moe_dsa (the same, the context capped at index_topk: engine/runtime.py
 context_length),
 minimax_m2 (q/k norms over all heads, partial RoPE, sigmoid routing over all experts),
-ernie4_5_moe (interleaved RoPE pairs, softmax routing chosen with a bias).
+ernie4_5_moe (interleaved RoPE pairs, softmax routing chosen with a bias), exaone_moe (sliding
+layers with RoPE, full ones without: engine/gpu.py no_freq).
 - CPU-only CI: test_simulator_decoder() runs this file as a script in a subprocess with
   NUMBA_ENABLE_CUDASIM=1: the eager decoder against the CPU backend on a tiny model.
 - A GPU (marker gpu): cuda = cpu = transformers, graph replay = eager, streamed under tiny
@@ -94,6 +95,10 @@ SIM_CASES = {
                         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                         v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=8,
                         index_topk_pattern="FS"),
+    # K-EXAONE: layer 0 sliding (window 1: the token alone) with RoPE and dense, layer 1 full
+    # without RoPE and routed (4 experts in 2 groups) + shared expert
+    "exaone_moe": dict(TINY, head_dim=8, num_experts=4, n_group=2, topk_group=1, sliding_window=1,
+                       sliding_window_pattern=2, intermediate_size=8),
     # MiniMax-M2: q/k norms over all heads, 4 of 8 dims rotating, sigmoid routing with a bias
     # over all experts
     "minimax_m2": dict(TINY, head_dim=8, num_local_experts=4, rotary_dim=4),
@@ -143,6 +148,9 @@ def test_simulator_decoder(tmp_path, family):
     # context capped at index_topk (64 here: the 37 tokens fit), where DSA is dense MLA
     ("deepseek_v32", dict(index_topk=64)),
     ("glm_moe_dsa", dict(index_topk=64)),
+    ("exaone_moe", {}),
+    ("exaone_moe", dict(layer_types=["full_attention", "sliding_attention", "full_attention"],
+                        num_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3)),
     ("ernie4_5_moe", {}),
     ("ernie4_5_moe", dict(moe_num_experts=16, moe_k=4, moe_layer_start_index=0, hidden_size=64,
                           num_attention_heads=4, num_key_value_heads=1)),

@@ -9,6 +9,12 @@ import engine
 from conftest import assert_greedy, build_hf_model, hf_reference, rel_err
 
 CASES = [
+    # K-EXAONE: sliding layers (window 4) with RoPE, full ones without; explicit layer_types;
+    # every layer full (all NoPE)
+    ("exaone_moe", {}),
+    ("exaone_moe", dict(layer_types=["full_attention", "sliding_attention", "full_attention"],
+                        n_group=1, topk_group=1, num_experts_per_tok=3, norm_topk_prob=False)),
+    ("exaone_moe", dict(sliding_window_pattern=1)),
     ("qwen3_moe", {}),
     ("qwen3_moe", dict(hidden_size=40, norm_topk_prob=True, num_experts_per_tok=1)),
     ("qwen3_moe", dict(num_experts_per_tok=4, norm_topk_prob=False, num_key_value_heads=1,

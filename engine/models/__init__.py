@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import (deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite,
-                           glm_moe_dsa, gpt_oss, kimi_k25, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_5_moe,
-                           qwen3_moe, qwen3_next, qwen3_vl_moe)
+from engine.models import (deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dots1, ernie4_5_moe, exaone_moe,
+                           glm4_moe, glm4_moe_lite, glm_moe_dsa, gpt_oss, kimi_k25, minimax_m2, mixtral, olmoe,
+                           qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl_moe)
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -21,6 +21,7 @@ FAMILIES = {
     "olmoe": olmoe,
     "glm4_moe": glm4_moe,
     "dots1": dots1,
+    "exaone_moe": exaone_moe,            # K-EXAONE: sliding layers with RoPE, full ones without
     "deepseek_v3": deepseek_v3,
     "deepseek_v2": deepseek_v2,
     "deepseek_v32": deepseek_v32,        # V3.2: V3 with DeepSeek Sparse Attention

@@ -67,6 +67,8 @@ class MoeConfig:
     shared_intermediate: int = 0    # I of the shared expert(s) beside the routed ones (0 = none)
     shared_gated: bool = False      # its output times sigmoid(h . shared_expert_gate)
     rope_pairs: bool = False        # rotary dims in interleaved pairs (q / k rows reordered: rope.pair_rows)
+    layer_windows: tuple = ()       # per layer: its sliding window, 0 = full (else sliding_window for all)
+    nope_layers: tuple = ()         # layers whose q / k are not rotated (NoPE)
     eos_token_ids: tuple = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -291,8 +293,9 @@ class MoeDecoder:
         v = v.reshape(t, c.n_kv_heads, c.head_dim)
         if c.qk_norm == "head":
             q, k = ops.rmsnorm(q, w("q_norm", l), c.rms_eps), ops.rmsnorm(k, w("k_norm", l), c.rms_eps)
-        ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
-        ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
+        if l not in c.nope_layers:
+            ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
+            ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
         ops.kv_store(st.k[l], st.v[l], int(pos[0]), k, v, self.kv_bf16)
         a = ops.attention(q, st.k[l], st.v[l], pos, c.head_dim ** -0.5, self.window(l),
                           self.sinks(l))
@@ -300,7 +303,7 @@ class MoeDecoder:
 
     def window(self, l: int) -> int:
         """Layer l's sliding window (0: full attention)."""
-        return self.c.sliding_window
+        return self.c.layer_windows[l] if self.c.layer_windows else self.c.sliding_window
 
     def sinks(self, l: int):
         """Layer l's attention-sink logits [Hq], or None."""

@@ -17,7 +17,6 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 @dataclass(frozen=True)
 class GptOssConfig(MoeConfig):
-    layer_windows: tuple = ()       # per layer: its sliding window, 0 = full attention
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
 
