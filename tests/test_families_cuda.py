@@ -176,13 +176,15 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
-@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "minimax_m2",
+                                    "exaone_moe"])
 def test_graph_replay_and_streaming(tmp_path, family, resident):
     """Graph replay = eager = the CPU backend, resident (one graph a token, the router's slot
     path) or streamed (per-layer segments, the shared expert's own, the host resolve)."""
     from engine.pack import pack
     over = {"glm4_moe": dict(n_routed_experts=16, n_group=4, topk_group=2),
             "deepseek_v3": dict(n_routed_experts=16, n_group=4, topk_group=2),
+            "exaone_moe": dict(num_experts=16, n_group=4, topk_group=2),
             "gpt_oss": dict(num_local_experts=16),
             "minimax_m2": dict(num_local_experts=16)}.get(family, dict(num_experts=16))
     build_hf_model(tmp_path / "src", family, num_experts_per_tok=4, num_hidden_layers=3,
