@@ -127,6 +127,17 @@ _DEEPSEEK_V4 = {"embed": "embed.weight", "final_norm": "norm.weight", "lm_head":
                 "hc_head_fn": "hc_head_fn", "hc_head_base": "hc_head_base", "hc_head_scale": "hc_head_scale",
                 **{k: "layers.{l}." + v for k, v in _V4_LAYER.items()}}
 
+# Step-3.5 / 3.7: a gate a head; each expert projection stacked alone under .moe. (per-expert
+# views: loader/checkpoint.py _STACKED), the shared expert as share_expert
+_STEP = {**_LLAMA_LIKE, "g": "model.layers.{l}.self_attn.g_proj.weight",
+         "router": "model.layers.{l}.moe.gate.weight", "router_bias": "model.layers.{l}.moe.router_bias",
+         "shared_gate": "model.layers.{l}.share_expert.gate_proj.weight",
+         "shared_up": "model.layers.{l}.share_expert.up_proj.weight",
+         "shared_down": "model.layers.{l}.share_expert.down_proj.weight",
+         "expert_gate": "model.layers.{l}.moe.{e}.gate_proj.weight",
+         "expert_up": "model.layers.{l}.moe.{e}.up_proj.weight",
+         "expert_down": "model.layers.{l}.moe.{e}.down_proj.weight"}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -153,6 +164,8 @@ NAMES: dict[str, dict[str, str]] = {
     "deepseek_v32": _DSA,
     "glm_moe_dsa": _DSA,
     "deepseek_v4": _DEEPSEEK_V4,
+    "step3p5": _STEP,
+    "step3p7": _STEP,
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
     # ERNIE-4.5: the shared experts' names of DeepSeek-V3, its selection bias under moe_statics

@@ -397,9 +397,11 @@ ROWS_A_TASK = 16   # rows a parallel task decodes (its scratch rows are allocate
 def _glu(clamped, g, u, alpha, limit):
     """The expert's activation of one gate / up pair: SwiGLU; clamped 1 (True): gpt-oss's form
     (the gate clamped from above, up to +-limit, (u + 1) * g * sigmoid(alpha g)); 2: DeepSeek-V4's
-    (the same clamps, then SwiGLU)."""
+    (the same clamps, then SwiGLU); 3: Step-3.5's (SiLU of the gate, then the same clamps)."""
     if not clamped:
         return g / (np.float32(1.0) + math.exp(-g)) * u
+    if clamped == 3:
+        return min(g / (np.float32(1.0) + math.exp(-g)), limit) * min(max(u, -limit), limit)
     g = min(g, limit)
     u = min(max(u, -limit), limit)
     if clamped == 2:
@@ -412,7 +414,7 @@ def expert_block_mlp(fmt, block, lay, x, out, clamped, bias, alpha, limit):
     """One expert from its block over tokens: x [T, H] f32 -> out [T, H] f32.
 
     fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). clamped: _glu's mode (0
-    SwiGLU, 1 gpt-oss's with alpha and limit, 2 DeepSeek-V4's with limit); bias f32 [2I + H] (gate, up, down biases) or empty. One token:
+    SwiGLU, 1 gpt-oss's with alpha and limit, 2 DeepSeek-V4's with limit, 3 Step-3.5's); bias f32 [2I + H] (gate, up, down biases) or empty. One token:
     each row is dotted with it as it is read (_row_dot), rows in tasks of ROWS_A_TASK, each with
     its scratch. More: rows are decoded once into float32 scratch rows and summed with 4 tokens
     at a time (_sums4x4; decoding a row for one token made bf16 2.2x and fp8 1.3x slower on the
@@ -753,16 +755,21 @@ class CpuOps:
                          out, clamped, bias, alpha, limit)
         return out
 
-    def expert_limited(self, x: np.ndarray, weights, limit: float) -> np.ndarray:
+    def expert_limited(self, x: np.ndarray, weights, limit: float, after: bool = False) -> np.ndarray:
         """DeepSeek-V4's expert over its tokens: SwiGLU of the gate clamped above at limit and
-        the up projection to +-limit. weights as expert()'s."""
+        the up projection to +-limit; after: Step-3.5's, the gate's SiLU clamped instead.
+        weights as expert()'s."""
         if _is_block(weights):
-            return self._block_mlp(x, weights, 2, _NO_BIAS, 0.0, limit)
+            return self._block_mlp(x, weights, 3 if after else 2, _NO_BIAS, 0.0, limit)
         gate, up, down = weights
         lim = np.float32(limit)
-        g = np.minimum(self.linear(x, gate), lim)
-        u = np.clip(self.linear(x, up), -lim, lim)
-        return self.linear((g / (np.float32(1.0) + np.exp(-g)) * u).astype(np.float32), down)
+        g, u = self.linear(x, gate), np.clip(self.linear(x, up), -lim, lim)
+        if after:
+            a = np.minimum(g / (np.float32(1.0) + np.exp(-g)), lim) * u
+        else:
+            g = np.minimum(g, lim)
+            a = g / (np.float32(1.0) + np.exp(-g)) * u
+        return self.linear(a.astype(np.float32), down)
 
     def expert_clamped(self, x: np.ndarray, weights, biases, alpha: float, limit: float):
         """gpt-oss's expert over its tokens: x [n, H] -> [n, H]. weights (gate, up, down) dense,

@@ -251,13 +251,19 @@ def gpt_oss_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.nda
 
 
 def limited_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
-                   limit: float) -> np.ndarray:
+                   limit: float, after: bool = False) -> np.ndarray:
     """DeepSeek-V4's SwiGLU: g = min(x gate^T, limit), u = clip(x up^T, +-limit),
-    out = (g * sigmoid(g) * u) down^T -> [T, H] float32."""
+    out = (g * sigmoid(g) * u) down^T -> [T, H] float32; after (Step-3.5's): out =
+    (min(silu(x gate^T), limit) * u) down^T."""
     x64 = x.astype(np.float64)
-    g = np.minimum(x64 @ gate.astype(np.float64).T, limit)
+    g = x64 @ gate.astype(np.float64).T
     u = np.clip(x64 @ up.astype(np.float64).T, -limit, limit)
-    return ((g / (1.0 + np.exp(-g)) * u) @ down.astype(np.float64).T).astype(np.float32)
+    if after:
+        a = np.minimum(g / (1.0 + np.exp(-g)), limit) * u
+    else:
+        g = np.minimum(g, limit)
+        a = g / (1.0 + np.exp(-g)) * u
+    return (a @ down.astype(np.float64).T).astype(np.float32)
 
 
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:

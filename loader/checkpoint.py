@@ -555,6 +555,8 @@ class Checkpoint:
             raise CheckpointError(f"{parts['q'].file}: {parts['q'].name}: {e}") from None
 
     _FUSED = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
+    # Step-3.5's experts: each projection stacked alone, [E, I, H] / [E, H, I], under .moe.
+    _STACKED = re.compile(r"^(?P<p>.*\.moe)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 
     def _expert_dims(self) -> tuple[int, int] | None:
         """(hidden, moe intermediate) from config.json (an image-text wrapper's text_config),
@@ -570,9 +572,20 @@ class Checkpoint:
         byte ranges of the fused tensor, so nothing is copied and packing reads them as usual.
         Stored transposed (gate_up_proj [E, H, 2I], gate the first columns; down_proj [E, I, H]:
         Qwen3-VL-MoE's releases), as transformers tells them apart (by shape, the untransposed
-        reading where both fit), each expert's matrices are copied out on read."""
+        reading where both fit), each expert's matrices are copied out on read. Step-3.5 stacks
+        each projection alone under `.moe.` ([E, I, H] / [E, H, I]): views the same way."""
         dims = self._expert_dims()
         for name, t in list(self.tensors.items()):
+            m = self._STACKED.match(name)
+            if m is not None and len(t.shape) == 3:   # per-expert views `<p>.<e>.<kind>.weight`
+                e_n, rows, cols = t.shape
+                per_expert = t.nbytes // e_n
+                for e in range(e_n):
+                    view = f"{m['p']}.{e}.{m['kind']}.weight"
+                    self.tensors[view] = TensorInfo(view, t.file, t.dtype, (rows, cols),
+                                                    t.start + e * per_expert, per_expert)
+                    self.fused[view] = name
+                continue
             m = self._FUSED.match(name)
             if m is None or len(t.shape) != 3:
                 continue

@@ -109,8 +109,8 @@ def test_expert_clamped(limit, alpha):
 @pytest.mark.parametrize("h,i", [(40, 24), (41, 19), (64, 32)])
 def test_expert_block_swiglu_and_clamped(fmt, t, h, i):
     """An expert read from its arena block (each format; one token takes the direct path, more
-    the decoded-row path): SwiGLU, gpt-oss's clamped form with biases and DeepSeek-V4's clamped
-    SwiGLU (also on dense weights), against the oracles
+    the decoded-row path): SwiGLU, gpt-oss's clamped form with biases, DeepSeek-V4's and
+    Step-3.5's clamped SwiGLU (also on dense weights), against the oracles
     on the block's decoded weights. H = 40 pads NVFP4 rows, 41 / 19 leave a lone last value."""
     from loader.layout import ExpertLayout
     from loader.quant import decode_expert_block, encode_expert_block
@@ -133,6 +133,10 @@ def test_expert_block_swiglu_and_clamped(fmt, t, h, i):
     assert rel(ops.expert_limited(x, weights, limit), want) < 1e-5
     assert rel(ops.expert_limited(x, (dg, du, dd), limit), want) < 1e-5
     assert rel(ref.swiglu_expert(x, dg, du, dd), want) > 1e-2
+    want = ref.limited_expert(x, dg, du, dd, limit, after=True)   # Step-3.5's: the SiLU clamped
+    assert rel(ops.expert_limited(x, weights, limit, after=True), want) < 1e-5
+    assert rel(ops.expert_limited(x, (dg, du, dd), limit, after=True), want) < 1e-5
+    assert rel(ref.limited_expert(x, dg, du, dd, limit), want) > 1e-2
 
 
 @pytest.mark.parametrize("e,k,norm", [(8, 1, False), (8, 2, True), (16, 16, False), (5, 3, True)])

@@ -1,0 +1,108 @@
+"""Step-3.5-Flash / Step-3.7-Flash (engine/models/step3p5.py) on the CPU backend against
+transformers' Step3p7ForConditionalGeneration on text: a tiny random model with sliding layers
+of fewer heads and their own RoPE, full layers with partial RoPE, per-head output gates, a dense
+first layer, clamped experts and shared expert, the experts stacked a projection under .moe.
+The same weights as the text-only step3p5 folder, with the release's older config fields."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import engine
+from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from engine.models import family_of
+from engine.models.rope import ConfigError
+
+TEXT = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_local_experts=8,
+            n_routed_experts=8, num_experts_per_tok=2, share_expert_dim=24, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_sliding_attention_heads=2,
+            rope_theta=[10000.0, 5000.0, 10000.0, 5000.0], partial_rotary_factors=[1.0, 0.5, 1.0, 0.5],
+            swiglu_limits=[0, 0, 0, 0.8], swiglu_limits_shared=[0.9, 0, 0, 1.0],
+            moe_router_scaling_factor=2.0, query_pre_attn_scalar=12)
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The wrapper's folder (step3p7), the text-only folder (step3p5, older config fields), and
+    transformers on them."""
+    import torch
+    import transformers as tf
+    d = tmp_path_factory.mktemp("step3p5")
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"step3p5 weights seed {seed}", flush=True)
+    torch.manual_seed(seed)
+    model = tf.Step3p7ForConditionalGeneration(tf.Step3p7Config(text_config=TEXT, vision_config=VISION))
+    widen_init(model)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
+    model.eval().save_pretrained(d / "vl")
+    byte_level_tokenizer().save(str(d / "vl" / "tokenizer.json"))
+    (d / "vl" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    # the text-only release: the same tensors, its config.json flat with the older fields (each
+    # per-layer list with an entry for an MTP layer, the MoE layers by index, the sliding heads)
+    shutil.copytree(d / "vl", d / "text")
+    cfg = json.loads((d / "vl" / "config.json").read_text())["text_config"]
+    for k in ("mlp_layer_types", "num_sliding_attention_heads", "per_layer_config", "rope_parameters"):
+        cfg.pop(k, None)
+    cfg.update(model_type="step3p5", num_nextn_predict_layers=1, moe_layers_enum="1,2,3",
+               attention_other_setting={"num_attention_heads": 2},
+               layer_types=TEXT["layer_types"] + ["full_attention"],
+               rope_theta=TEXT["rope_theta"] + [5000.0], partial_rotary_factors=TEXT["partial_rotary_factors"] + [0.5],
+               swiglu_limits=TEXT["swiglu_limits"] + [0], swiglu_limits_shared=TEXT["swiglu_limits_shared"] + [0])
+    (d / "text" / "config.json").write_text(json.dumps(cfg))
+    ref = tf.Step3p7ForConditionalGeneration.from_pretrained(d / "vl", dtype=torch.float32).eval()
+    return d, ref
+
+
+@pytest.mark.parametrize("folder", ["vl", "text"])
+def test_logits_and_greedy_match_transformers(tiny, folder, capfd):
+    import torch
+    d, ref = tiny
+    ids = np.random.default_rng().integers(0, 300, 14)
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+    m = engine.load(d / folder, device="cpu")
+    if folder == "vl":
+        assert "skipping the vision tower" in capfd.readouterr().err
+    assert rel_err(m.logits(ids), want) < 1e-4
+    assert_greedy(ref, ids[:6].tolist(),
+                  m.generate(ids[:6].tolist(), max_new_tokens=20).output_ids, 20)
+
+
+def test_config_read(tiny):
+    c = family_of(json.loads((tiny[0] / "text" / "config.json").read_text())).config
+    assert c.layer_heads == (2, 4, 2, 4) and c.moe_layers == (1, 2, 3)
+    assert c.layer_windows == (4, 0, 4, 0) and c.limits == (0, 0, 0, 0.8)
+    assert [r.rotary_dim for r in c.layer_ropes] == [8, 4, 8, 4] and c.attn_scale == 12 ** -0.5
+
+
+def test_packed_and_resumed(tiny, tmp_path):
+    """A packed arena (the clamped experts in the block kernel) gives the checkpoint's tokens;
+    the prefix cache resumes."""
+    from engine.pack import pack
+    d = tiny[0]
+    ids = np.random.default_rng().integers(0, 300, 10).tolist()
+    pack(d / "text", tmp_path / "p", "bf16", progress=False)
+    want = engine.load(d / "text", device="cpu").generate(ids, max_new_tokens=12).output_ids
+    assert engine.load(tmp_path / "p", device="cpu").generate(ids, max_new_tokens=12).output_ids == want
+    check_state_resumes(d / "text", np.array(ids + ids[:2]))
+
+
+@pytest.mark.parametrize("fields,says", [
+    (dict(layer_types=["sliding_attention", "minimax_m3_sparse", "full_attention", "full_attention"]),
+     "step3p5 runs sliding_attention and full_attention layers"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention is true"),
+    (dict(swiglu_limits=[0, 0]), "swiglu_limits must list a value for each of the 4 layers"),
+    (dict(num_sliding_attention_heads=3), r"query heads \[3, 4\] must be multiples of num_key_value_heads=2"),
+])
+def test_config_refused(fields, says):
+    with pytest.raises(ConfigError, match=says):
+        family_of({**TEXT, "model_type": "step3p5", **fields})
