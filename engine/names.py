@@ -138,6 +138,19 @@ _STEP = {**_LLAMA_LIKE, "g": "model.layers.{l}.self_attn.g_proj.weight",
          "expert_up": "model.layers.{l}.moe.{e}.up_proj.weight",
          "expert_down": "model.layers.{l}.moe.{e}.down_proj.weight"}
 
+# MiniMax-M3's wrapper as saved: Mixtral's expert names, a shared expert, the indexer's, all
+# under language_model.
+_M3 = {k: v.replace("model.", "language_model.model.", 1) if v.startswith("model.") else "language_model." + v
+       for k, v in {**_MIXTRAL,
+                    "router_bias": "model.layers.{l}.block_sparse_moe.e_score_correction_bias",
+                    "shared_gate": "model.layers.{l}.block_sparse_moe.shared_experts.gate_proj.weight",
+                    "shared_up": "model.layers.{l}.block_sparse_moe.shared_experts.up_proj.weight",
+                    "shared_down": "model.layers.{l}.block_sparse_moe.shared_experts.down_proj.weight",
+                    "idx_q": "model.layers.{l}.self_attn.index_q_proj.weight",
+                    "idx_k": "model.layers.{l}.self_attn.index_k_proj.weight",
+                    "idx_q_norm": "model.layers.{l}.self_attn.index_q_norm.weight",
+                    "idx_k_norm": "model.layers.{l}.self_attn.index_k_norm.weight"}.items()}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -165,6 +178,7 @@ NAMES: dict[str, dict[str, str]] = {
     "glm_moe_dsa": _DSA,
     "deepseek_v4": _DEEPSEEK_V4,
     "step3p5": _STEP,
+    "minimax_m3_vl": _M3,
     "step3p7": _STEP,
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},

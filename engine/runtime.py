@@ -697,6 +697,10 @@ class Engine:
         elif getattr(c, "index_topk", 0):   # DSA: index_topk picked rows; the indexer reads
             windows = (c.index_topk,) * c.n_layers   # every key only where there is a choice
             fixed = 4 * c.index_head_dim * len(c.index_layers) * np.where(pos > c.index_topk, pos, 0).mean()
+        elif getattr(c, "sparse_layers", ()):   # MiniMax-M3: a sparse layer's picked blocks, and
+            windows = tuple(c.block_topk * c.block_size if l in c.sparse_layers else 0   # its indexer's
+                            for l in range(c.n_layers))                                  # float32 keys
+            fixed = 4 * c.idx_dim * len(c.sparse_layers) * pos.mean()
         elif getattr(c, "rates", ()):   # DeepSeek-V4: a window of key rows a layer, and the
             windows = (c.sliding_window,) * c.n_layers   # float32 entries a compressed layer reads
             fixed = 0.0                                  # (CSA: its picks, and its indexer's keys)

@@ -85,15 +85,15 @@ def test_config_read(tiny):
 
 
 def test_packed_and_resumed(tiny, tmp_path):
-    """A packed arena (the clamped experts in the block kernel) gives the checkpoint's tokens;
-    the prefix cache resumes."""
+    """A packed arena (the clamped experts in the block kernel, bf16) gives the checkpoint's
+    logits within bf16's rounding of the experts; the prefix cache resumes."""
     from engine.pack import pack
     d = tiny[0]
-    ids = np.random.default_rng().integers(0, 300, 10).tolist()
+    ids = np.random.default_rng().integers(0, 300, 10)
     pack(d / "text", tmp_path / "p", "bf16", progress=False)
-    want = engine.load(d / "text", device="cpu").generate(ids, max_new_tokens=12).output_ids
-    assert engine.load(tmp_path / "p", device="cpu").generate(ids, max_new_tokens=12).output_ids == want
-    check_state_resumes(d / "text", np.array(ids + ids[:2]))
+    want = engine.load(d / "text", device="cpu").logits(ids)
+    assert rel_err(engine.load(tmp_path / "p", device="cpu").logits(ids), want) < 1e-2
+    check_state_resumes(d / "text", np.concatenate([ids, ids[:2]]))
 
 
 @pytest.mark.parametrize("fields,says", [

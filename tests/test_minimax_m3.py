@@ -1,0 +1,103 @@
+"""MiniMax-M3 (engine/models/minimax_m3.py) on the CPU backend against transformers'
+MiniMaxM3SparseForConditionalGeneration on text: a tiny random model with a dense first layer,
+a full and two sparse attention layers whose indexer has to choose (blocks of 4 keys, 2 picked a
+KV head, the query's own among them) once the prompt passes 8 positions, partial RoPE, clamped
+SwiGLU everywhere, a shared expert. Prompts long enough that the choice bites in prefill and in
+decode; fed whole and token by token."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import engine
+from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from engine.models import family_of
+from engine.models.rope import ConfigError
+
+TEXT = dict(vocab_size=300, hidden_size=32, intermediate_size=16, dense_intermediate_size=40,
+            shared_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, rotary_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5},
+            num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=1.5, swiglu_limit=1.2,
+            index_n_heads=2, index_head_dim=12, index_block_size=4, index_topk_blocks=2, index_local_blocks=1,
+            layer_types=["full_attention", "minimax_m3_sparse", "full_attention", "minimax_m3_sparse"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"], max_position_embeddings=256)
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import torch
+    import transformers as tf
+    d = tmp_path_factory.mktemp("minimax_m3")
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"minimax_m3 weights seed {seed}", flush=True)
+    torch.manual_seed(seed)
+    model = tf.MiniMaxM3SparseForConditionalGeneration(tf.MiniMaxM3VLConfig(text_config=TEXT, vision_config=VISION))
+    widen_init(model)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
+    model.eval().save_pretrained(d)
+    byte_level_tokenizer().save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    ref = tf.MiniMaxM3SparseForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    return d, ref
+
+
+def test_logits_and_greedy_match_transformers(tiny, capfd):
+    import torch
+    d, ref = tiny
+    ids = np.random.default_rng().integers(0, 300, 21)
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+    m = engine.load(d, device="cpu")
+    assert "skipping the vision tower" in capfd.readouterr().err
+    assert rel_err(m.logits(ids), want) < 1e-4
+    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+
+
+def test_prefill_equals_token_by_token(tiny):
+    m = engine.load(tiny[0], device="cpu").model
+    ids = np.random.default_rng().integers(0, 300, 19)
+    whole = m.forward(ids, m.new_state(32), all_logits=True)
+    st = m.new_state(32)
+    parts = [m.forward(ids[:3], st, all_logits=True)] + [m.forward(ids[i:i + 1], st) for i in range(3, 19)]
+    assert rel_err(np.concatenate(parts), whole) < 1e-5
+
+
+def test_state_resumes_and_packed(tiny, tmp_path):
+    """The prefix cache resumes; a packed arena (the clamped experts in the block kernel, bf16)
+    gives the checkpoint's logits within bf16's rounding of the experts."""
+    from engine.pack import pack
+    check_state_resumes(tiny[0], np.random.default_rng().integers(0, 300, 12))
+    ids = np.random.default_rng().integers(0, 300, 16)
+    pack(tiny[0], tmp_path / "p", "bf16", progress=False)
+    want = engine.load(tiny[0], device="cpu").logits(ids)
+    assert rel_err(engine.load(tmp_path / "p", device="cpu").logits(ids), want) < 1e-2
+
+
+def test_config_read(tiny):
+    c = family_of(json.loads((tiny[0] / "config.json").read_text())).config
+    assert c.sparse_layers == (1, 3) and c.moe_layers == (1, 2, 3) and c.rope.rotary_dim == 8
+    assert (c.block_size, c.block_topk, c.block_local) == (4, 2, 1)
+    # the older fields: sparse_attention_config, moe_layer_freq; rotary_dim alone sets the share
+    older = {k: v for k, v in TEXT.items() if k not in ("layer_types", "mlp_layer_types", "rope_parameters")}
+    c = family_of({"model_type": "minimax_m3_vl", "text_config": {
+        **older, "moe_layer_freq": [0, 1, 1, 1],
+        "sparse_attention_config": {"sparse_attention_freq": [0, 1, 0, 1], "sparse_block_size": 64}}}).config
+    assert c.sparse_layers == (1, 3) and c.moe_layers == (1, 2, 3) and c.block_size == 64
+    assert c.rope.rotary_dim == 8
+
+
+@pytest.mark.parametrize("fields,says", [
+    (dict(index_n_heads=1), "index_n_heads=1 must equal num_key_value_heads=2"),
+    (dict(index_head_dim=4), "index_head_dim=4 must be at least the rotary dims"),
+    (dict(layer_types=["full_attention"] * 3), "layer_types must give each of the 4 layers"),
+])
+def test_config_refused(fields, says):
+    with pytest.raises(ConfigError, match=says):
+        family_of({"model_type": "minimax_m3_vl", "text_config": {**TEXT, **fields}})
