@@ -178,6 +178,7 @@ NAMES: dict[str, dict[str, str]] = {
     "glm_moe_dsa": _DSA,
     "deepseek_v4": _DEEPSEEK_V4,
     "step3p5": _STEP,
+    "cohere2_moe": _SIGMOID_MOE,   # llama-like, shared experts as DeepSeek-V3 names them
     "minimax_m3_vl": _M3,
     "step3p7": _STEP,
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.

@@ -1,0 +1,62 @@
+"""Cohere's MoE (cohere2_moe, engine/models/cohere2_moe.py) on the CPU backend against
+transformers on tiny random models: the parallel residual with one norm a layer (LayerNorm or
+RMSNorm), RoPE over interleaved pairs in sliding and forced layers only, softmax or sigmoid
+routing over the top-k logits, shared experts averaged or summed, the dense prefix, logit_scale."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import engine
+from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from engine.models import family_of
+from engine.models.rope import ConfigError
+
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+            sliding_window=4, sliding_window_pattern=2, first_k_dense_replace=1,
+            prefix_dense_intermediate_size=24, pad_token_id=0, logit_scale=0.5)
+CASES = [
+    {},                                                             # LayerNorm, softmax, average
+    dict(rms_norm_eps=1e-5, expert_selection_fn="sigmoid", shared_expert_combination_strategy="sum",
+         tie_word_embeddings=False, prefix_dense_sliding_window_pattern=2, num_shared_experts=2),
+    dict(expert_selection_fn="sigmoid", norm_topk_prob=False, num_shared_experts=0, first_k_dense_replace=0),
+]
+
+
+def build(dst, **over):
+    import torch
+    import transformers as tf
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    model = tf.Cohere2MoeForCausalLM(tf.Cohere2MoeConfig(**{**TINY, **over}))
+    widen_init(model)
+    model.eval().save_pretrained(dst)
+    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return tf.Cohere2MoeForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("over", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_logits_and_greedy_match_transformers(tmp_path, over):
+    import torch
+    ref = build(tmp_path, **over)
+    ids = np.random.default_rng().integers(0, 300, 12)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    m = engine.load(tmp_path, device="cpu")
+    assert rel_err(m.logits(ids), want) < 1e-4
+    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+    if not over:
+        check_state_resumes(tmp_path, ids)
+
+
+def test_config_read_and_refused():
+    c = family_of({**TINY, "model_type": "cohere2_moe"}).config
+    assert c.layer_windows == (0, 4, 0, 4) and c.nope_layers == (2,) and c.moe_layers == (1, 2, 3)
+    assert c.layer_norm and c.average_shared and c.tie_embeddings and c.logit_scale == 0.5
+    with pytest.raises(ConfigError, match="shared_expert_combination_strategy 'max'"):
+        family_of({**TINY, "model_type": "cohere2_moe", "shared_expert_combination_strategy": "max"})
+    with pytest.raises(ConfigError, match="layer_types must give each of the 4 layers"):
+        family_of({**TINY, "model_type": "cohere2_moe", "layer_types": ["full_attention"]})
