@@ -198,6 +198,26 @@ class RunState:
         self.pos = keep
 
 
+class IndexKeys:
+    """Mixed into a run state whose indexer caches a key row a position (DeepSeek-V3.2's DSA,
+    MiniMax-M3): ik [indexed layers, S_max, dim], copied, saved and loaded with the rest."""
+    ik: np.ndarray
+
+    def copy_into(self, dst, keep: int) -> None:
+        super().copy_into(dst, keep)
+        dst.ik[:, :keep] = self.ik[:, :keep]
+
+    def save_nbytes(self, keep: int) -> int:
+        return super().save_nbytes(keep) + self.ik[:, :keep].nbytes
+
+    def save(self, keep: int) -> dict:
+        return {**super().save(keep), "ik": self.ik[:, :keep].copy()}
+
+    def load(self, saved: dict, keep: int) -> None:
+        super().load(saved, keep)
+        self.ik[:, :keep] = saved["ik"][:, :keep]
+
+
 def resumable(st, keep: int, rewinds: bool) -> bool:
     """Whether state st can serve a sequence whose first keep positions are st's: keep is
     within what st holds, and below st.pos only where the state is the KV cache alone (a

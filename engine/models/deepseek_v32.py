@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import deepseek_v3
-from engine.models.base import need
+from engine.models.base import IndexKeys, need
 from engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3Decoder, MlaState, expert_spec  # noqa: F401
 from engine.models.rope import ConfigError, pairs_to_halves
 from engine.names import name
@@ -62,7 +62,7 @@ def dense_spec(c: DeepseekV32Config) -> dict[str, tuple]:
     return {**deepseek_v3.dense_spec(c), **indexer_spec(c)}
 
 
-class DsaState(MlaState):
+class DsaState(IndexKeys, MlaState):
     """The latent cache and the indexer's keys ik [Li, S_max, index_head_dim], Li = the layers
     that run an indexer (index_layers, in order); picked: the positions the last of them picked
     for the tokens in flight (a forward's own, never saved)."""
@@ -71,20 +71,6 @@ class DsaState(MlaState):
         super().__init__(ops, c, max_context)
         self.ik = np.zeros((len(c.index_layers), max_context, c.index_head_dim), np.float32)
         self.picked = None
-
-    def copy_into(self, dst, keep: int) -> None:
-        super().copy_into(dst, keep)
-        dst.ik[:, :keep] = self.ik[:, :keep]
-
-    def save_nbytes(self, keep: int) -> int:
-        return super().save_nbytes(keep) + self.ik[:, :keep].nbytes
-
-    def save(self, keep: int) -> dict:
-        return {**super().save(keep), "ik": self.ik[:, :keep].copy()}
-
-    def load(self, saved: dict, keep: int) -> None:
-        super().load(saved, keep)
-        self.ik[:, :keep] = saved["ik"][:, :keep]
 
 
 class DeepseekV32Decoder(DeepseekV3Decoder):

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.models import base
 from engine.models.base import MoeConfig, MoeDecoder, RunState, check_room, need
 from engine.models.rope import ConfigError, RopeConfig, rope_params
-from engine.names import expert_names, name
+from engine.names import name
 
 # The release's prompt format (its encoding/encoding_dsv4.py; the release has no Jinja template):
 # the system text straight after BOS; a run of user, developer and tool-result messages as one
@@ -233,14 +234,7 @@ def dense_spec(c: DeepseekV4Config) -> dict[str, tuple]:
     return spec
 
 
-def expert_spec(c: DeepseekV4Config) -> dict[str, tuple]:
-    spec = {}
-    i, h = c.moe_intermediate, c.hidden
-    for l in c.moe_layers:
-        for e in range(c.n_experts):
-            g, u, d = expert_names(c.family, l, e)
-            spec[g], spec[u], spec[d] = (i, h), (i, h), (h, i)
-    return spec
+expert_spec = base.expert_spec   # gate, up, down per expert
 
 
 # ---- the math, float32 numpy -----------------------------------------------------------------

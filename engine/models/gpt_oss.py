@@ -67,9 +67,6 @@ def dense_spec(c: GptOssConfig) -> dict[str, tuple]:
 
 
 class GptOssDecoder(MoeDecoder):
-    def window(self, l: int) -> int:
-        return self.c.layer_windows[l]
-
     def sinks(self, l: int):
         return self.w("sinks", l)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, RunState, need, text_config
+from engine.models.base import IndexKeys, MoeConfig, MoeDecoder, RunState, need, text_config
 from engine.models.rope import ConfigError, declared_partial
 from engine.names import name
 
@@ -112,26 +112,12 @@ def dense_spec(c: MinimaxM3Config) -> dict[str, tuple]:
 expert_spec = base.expert_spec
 
 
-class M3State(RunState):
+class M3State(IndexKeys, RunState):
     """The KV cache and the indexer's key rows ik [Ls, S_max, Di] of the sparse layers."""
 
     def __init__(self, ops, c: MinimaxM3Config, max_context: int):
         super().__init__(ops, c, max_context)
         self.ik = np.zeros((len(c.sparse_layers), max_context, c.idx_dim), np.float32)
-
-    def copy_into(self, dst, keep: int) -> None:
-        super().copy_into(dst, keep)
-        dst.ik[:, :keep] = self.ik[:, :keep]
-
-    def save_nbytes(self, keep: int) -> int:
-        return super().save_nbytes(keep) + self.ik[:, :keep].nbytes
-
-    def save(self, keep: int) -> dict:
-        return {**super().save(keep), "ik": self.ik[:, :keep].copy()}
-
-    def load(self, saved: dict, keep: int) -> None:
-        super().load(saved, keep)
-        self.ik[:, :keep] = saved["ik"][:, :keep]
 
 
 class MinimaxM3Decoder(MoeDecoder):

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.models import base
 from engine.models.base import MoeConfig, MoeDecoder, need, text_config
 from engine.models.rope import ConfigError, RopeConfig
-from engine.names import expert_names, name
+from engine.names import name
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
@@ -145,14 +146,7 @@ def dense_spec(c: Step3p5Config) -> dict[str, tuple]:
     return spec
 
 
-def expert_spec(c: Step3p5Config) -> dict[str, tuple]:
-    spec = {}
-    for l in c.moe_layers:
-        for e in range(c.n_experts):
-            g, u, dn = expert_names(c.family, l, e)
-            spec[g], spec[u], spec[dn] = (c.moe_intermediate, c.hidden), (c.moe_intermediate, c.hidden), \
-                (c.hidden, c.moe_intermediate)
-    return spec
+expert_spec = base.expert_spec   # gate, up, down per expert (the stacked tensors' views)
 
 
 class Step3p5Decoder(MoeDecoder):
