@@ -56,6 +56,12 @@ def clamped(c) -> bool:
     return getattr(c, "swiglu_limit", None) is not None
 
 
+def raw_act(c) -> bool:
+    """The experts' act scratch holds the RAW gate and up sums, [2A, I]: gpt-oss's clamped
+    SwiGLU, or per-layer clamps without biases (Step-3.5's limits, GpuDecoder._limit)."""
+    return clamped(c) or any(getattr(c, "limits", ()))
+
+
 def run_state_bytes(c, t: int, max_context: int) -> int:
     """Device bytes of the activations for a prefill chunk of t tokens (Buffers below), the
     logits and the device sampler's scratch: what the planner reserves beside the KV cache."""
@@ -66,7 +72,7 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
     dense_mlp = 2 * c.dense_intermediate if len(c.moe_layers) < c.n_layers else 0
     return 4 * (t * (5 * c.hidden + 2 * c.q_dim + 2 * c.kv_dim + c.n_experts
                      + 2 * c.shared_intermediate + 1 + dense_mlp)
-                + t * c.top_k * (c.moe_intermediate * (2 if clamped(c) else 1) + c.hidden)
+                + t * c.top_k * (c.moe_intermediate * (2 if raw_act(c) else 1) + c.hidden)
                 + c.vocab_size * 2
                 + c.n_heads * pieces * (c.head_dim + 2))
 
@@ -103,8 +109,8 @@ class Buffers:
         self.ids = cuda.device_array((t, c.top_k), np.int32)     # [T, K]
         self.w = cuda.device_array((t, c.top_k), f)
         a = t * c.top_k
-        # [A, I]; gpt-oss [2A, I]: the gate and up sums, then its activation in rows < A
-        self.act = cuda.device_array(((2 if clamped(c) else 1) * a, c.moe_intermediate), f)
+        # [A, I]; raw_act [2A, I]: the gate and up sums, then the activation in rows < A
+        self.act = cuda.device_array(((2 if raw_act(c) else 1) * a, c.moe_intermediate), f)
         self.y = cuda.device_array((a, c.hidden), f)              # [A, H]
         self.pos = cuda.device_array(t, np.int32)
         self.tok = cuda.device_array(t, np.int32)
@@ -617,6 +623,12 @@ class GpuDecoder:
                                   self.w("expert_bias", l), c.swiglu_alpha, c.swiglu_limit, cs,
                                   accumulate=True)
             return
+        limit = self._limit(l)
+        if limit:
+            gx.expert_mlp_limited(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0],
+                                  b.h[0], b.act[:2 * c.top_k], b.x.reshape(-1), limit, cs,
+                                  after=True, accumulate=True)
+            return
         gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0], b.h[0],
                       b.act[:c.top_k], b.x.reshape(-1), cs, accumulate=True)
 
@@ -1039,15 +1051,24 @@ class GpuDecoder:
         c, cs = self.c, self.cs
         x, h = b.x[:t], b.h[:t]
         gd.rmsnorm(x, self.w("mlp_norm", l), c.rms_eps, h, cs)
-        g = self._swiglu_in(self.w("mlp_gate", l), self.w("mlp_up", l), h, b.g[:t], b.u[:t])
+        g = self._swiglu_in(self.w("mlp_gate", l), self.w("mlp_up", l), h, b.g[:t], b.u[:t],
+                            self._limit(l, shared=True))
         self._linear(self.w("mlp_down", l), g, b.o[:t])
         gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)
 
-    def _swiglu_in(self, wg, wu, h, g, u):
-        """g = silu(h @ wg^T) * (h @ wu^T), u scratch; returns g (the down projection's input)."""
+    def _limit(self, l, shared: bool = False) -> float:
+        """Layer l's SwiGLU clamp without biases (0: none), of its routed experts or of its
+        shared expert and dense MLP: Step-3.5's limits / shared_limits, the SiLU clamped after
+        (reference.limited_expert(after=True))."""
+        v = getattr(self.c, "shared_limits" if shared else "limits", ())
+        return float(v[l]) if v else 0.0
+
+    def _swiglu_in(self, wg, wu, h, g, u, limit=0.0):
+        """g = silu(h @ wg^T) * (h @ wu^T) (clamped: gm.silu_mul's limit), u scratch; returns g
+        (the down projection's input)."""
         self._linear(wg, h, g)
         self._linear(wu, h, u)
-        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), self.cs)
+        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), self.cs, limit, after=True)
         return g
 
     def _norm_router(self, l, b, t):
@@ -1084,7 +1105,7 @@ class GpuDecoder:
         if not self.c.shared_intermediate:
             return
         g = self._swiglu_in(self.w("shared_gate", l), self.w("shared_up", l), b.h[:t], b.sg[:t],
-                            b.su[:t])
+                            b.su[:t], self._limit(l, shared=True))
         self._shared_out(l, b, t, g)
 
     def _shared_out(self, l, b, t, g):
@@ -1134,9 +1155,10 @@ class GpuDecoder:
         dev = _GroupArrays(gstart, order, wts, pos)
         gslot_d = cuda.to_device(gslot, stream=cs)
         a = t * c.top_k
-        act, clamp = b.act[:a], None
-        if clamped(c):   # gpt-oss: act [2A, I]; each assignment's expert picks its bias row
+        act, clamp, limit = b.act[:a], None, self._limit(l)
+        if clamped(c) or limit:   # act [2A, I]: the RAW gate and up sums
             act = b.act[:2 * a]
+        if clamped(c):   # gpt-oss: each assignment's expert picks its bias row
             aid = cuda.to_device(np.repeat(experts, np.diff(gstart)).astype(np.int32), stream=cs)
             bias = self.w("expert_bias", l)
         prev_keys, prev_evt, prev2_evt = (), None, None
@@ -1147,9 +1169,13 @@ class GpuDecoder:
             slots = self.res.resolve(l, experts[g0:g1], protect=prev_keys, after=prev2_evt)
             gslot[g0:g1] = slots
             gslot_d[g0:g1].copy_to_device(gslot[g0:g1], stream=cs)
+            lo, hi = int(gstart[g0]), int(gstart[g1])
             if clamped(c):
-                clamp = (aid, bias, c.swiglu_alpha, c.swiglu_limit,
-                         (int(gstart[g0]), int(gstart[g1])))
+                def clamp(act, s, lo=lo, hi=hi):
+                    gx.clamped_swiglu(act, aid, bias, c.swiglu_alpha, c.swiglu_limit, s, lo, hi)
+            elif limit:
+                def clamp(act, s, lo=lo, hi=hi):
+                    gx.limited_swiglu(act, limit, s, lo, hi, after=True)
             gx.grouped_gate_up_down(self.fmt, self.views, self.lay, self.lay_h, gslot_d[g0:g1],
                                     dev.gstart[g0:g1 + 1], dev.order, dev.wts, b.h[:t], act,
                                     b.y[:a], cs, clamp=clamp)

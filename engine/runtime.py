@@ -193,6 +193,10 @@ def _dense_keys(c):
     if isinstance(c, DeepseekV3Config):   # multi-head latent attention: engine/gpu_mla.py
         from engine.gpu_mla import dense_keys
         return dense_keys(c)
+    from engine.models.step3p5 import Step3p5Config
+    if isinstance(c, Step3p5Config):   # Step-3.5's attention: engine/gpu_step.py
+        from engine.gpu_step import dense_keys
+        return dense_keys(c)
     keys = [("embed", None), ("final_norm", None)]
     if not c.tie_embeddings:
         keys.append(("lm_head", None))
@@ -248,7 +252,7 @@ def cuda_status() -> tuple[bool, str]:
 GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1", "qwen3_next",
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
-                "deepseek_v32", "glm_moe_dsa", "exaone_moe")
+                "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7")
 
 
 def pick_device(device: str, family: str) -> str:
@@ -372,7 +376,8 @@ class Engine:
         self.ops.sample(np.zeros(4, np.float32), 1.0, 0, 0.9, 0.5)
 
     def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route, speculate):
-        """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py)."""
+        """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py,
+        gpu_mla.py, gpu_step.py)."""
         from numba import cuda
 
         from engine.models.deepseek_v3 import DeepseekV3Config
@@ -407,8 +412,13 @@ class Engine:
             from engine import gpu_mla as g
             Decoder, kv = g.GpuMlaDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
         else:
-            from engine import gpu as g
-            Decoder = g.GpuDecoder
+            from engine.models.step3p5 import Step3p5Config
+            if isinstance(c, Step3p5Config):   # Step-3.5's attention: engine/gpu_step.py
+                from engine import gpu_step as g
+                Decoder = g.GpuStepDecoder
+            else:
+                from engine import gpu as g
+                Decoder = g.GpuDecoder
             kv = 2 * c.n_layers * self.max_context * c.kv_dim * self.kv_itemsize
         chunk = g.pick_prefill_chunk(c, self.max_context, vram * 1e9)
         run_state = g.run_state_bytes(c, chunk, self.max_context)

@@ -29,7 +29,8 @@ of one expert, each weight decoded once a token tile into shared memory; see its
 "legacy" (a warp a row pair, tiles of TT tokens, each weight decoded once every TT tokens).
 gpt-oss (biased experts, clamped SwiGLU): the flat, pipelined, q and tiled gate_up kernels have
 a RAW build that stores the gate and up sums; clamped_swiglu and expert_bias_add do the rest
-(expert_mlp_clamped, grouped_gate_up_down(clamp=); see their section).
+(expert_mlp_clamped, grouped_gate_up_down(clamp=); see their section). Step-3.5's clamped
+experts without biases take the same RAW sums through limited_swiglu (expert_mlp_limited).
 """
 from __future__ import annotations
 
@@ -1526,6 +1527,39 @@ def clamped_swiglu(act, eid, bias, alpha, limit, stream, lo=0, hi=None):
             act, eid, bias, int32(lo), float32(alpha), float32(limit))
 
 
+@pdl_kernel
+@cuda.jit
+def _limited_swiglu(act, lo, limit, after):
+    """grid (cdiv(I, THREADS), rows); row a = lo + blockIdx.y."""
+    pdl_wait()
+    pdl_trigger()
+    A = act.shape[0] >> 1
+    I = act.shape[1]
+    a = lo + cuda.blockIdx.y
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if r < I:
+        g = act[a, r]
+        u = min(max(act[A + a, r], -limit), limit)
+        if after:
+            act[a, r] = min(g / (float32(1.0) + math.exp(-g)), limit) * u
+        else:
+            g = min(g, limit)
+            act[a, r] = g / (float32(1.0) + math.exp(-g)) * u
+
+
+def limited_swiglu(act, limit, stream, lo=0, hi=None, after=False):
+    """act float32 [2A, I] (RAW gate and up sums) -> act[a] for rows lo <= a < hi (default
+    all): SwiGLU with up clipped to +-limit and the gate clamped from above at limit, before
+    the SiLU (DeepSeek-V4) or after it (after: Step-3.5); reference.limited_expert's."""
+    a2, i = act.shape
+    hi = a2 // 2 if hi is None else hi
+    if a2 % 2:
+        raise ValueError(f"limited_swiglu: act {act.shape} must hold 2A rows")
+    if hi > lo:
+        _limited_swiglu[(cdiv(i, THREADS), hi - lo), THREADS, stream](
+            act, int32(lo), float32(limit), bool(after))
+
+
 def expert_bias_add(out, ids, weights, bias, stream):
     """out float32 [T, H] += sum_k weights[t, k] * down_b of expert ids[t, k] (bias float32
     [E, 2I + H], the last H columns); ids int32, weights float32 [T, K]."""
@@ -2188,6 +2222,17 @@ def expert_mlp_clamped(fmt, views, lay, lay_host, slots, ids, weights, x, act, o
                     stream)
 
 
+def expert_mlp_limited(fmt, views, lay, lay_host, slots, weights, x, act, out, limit, stream,
+                       after=False, accumulate=False, variant=""):
+    """Experts with a clamped SwiGLU and no biases (limited_swiglu) for one token (expert_mlp's
+    contract), act float32 [2K, I] scratch; three launches, nothing allocated, no sync."""
+    k = slots.shape[0]
+    expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant, raw=True)
+    limited_swiglu(act, limit, stream, after=after)
+    expert_down(fmt, views, lay, lay_host, slots, weights, act[:k], out, stream, accumulate,
+                variant)
+
+
 def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, accumulate=False,
                variant="", min_blocks=0, unroll=0):
     """One token through its K routed experts: two launches, nothing allocated, no sync.
@@ -2234,9 +2279,10 @@ def grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x
     int32 [G + 1] (absolute assignment indices, so a slice of the groups can run alone):
     x [T, H] -> act [A, I] -> y [A, H] = wts[a] * expert(x[order[a]]) for those assignments.
     variant: "tiled" or "legacy" ("" = GROUPED_VARIANT). Nothing allocated, no sync.
-    clamp: gpt-oss's experts (tiled only), (aid int32 [A] the expert of each assignment, bias
-    float32 [E, 2I + H], alpha, limit, (a_lo, a_hi) the assignments of these groups), act
-    [2A, I]; y gets no down bias (expert_bias_add adds it after the combine)."""
+    clamp: a clamped SwiGLU (tiled only): act [2A, I] takes the RAW gate and up sums, then
+    clamp(act, stream) applies the activation to these groups' assignments (clamped_swiglu,
+    gpt-oss's, whose y gets no down bias: expert_bias_add adds it after the combine; or
+    limited_swiglu)."""
     b64, b8, bf = views
     g = gslot.shape[0]
     v = variant or GROUPED_VARIANT
@@ -2250,8 +2296,7 @@ def grouped_gate_up_down(fmt, views, lay, lay_host, gslot, gstart, order, wts, x
         tgu[(gx, cdiv(int(lay_host[7]), GT_BR // 2)), GT_THREADS, stream](
             b64, b8, bf, lay, gslot, gstart, order, x, act)
         if clamp is not None:
-            aid, bias, alpha, limit, (lo, hi) = clamp
-            clamped_swiglu(act, aid, bias, alpha, limit, stream, lo, hi)
+            clamp(act, stream)
             act = act[:order.shape[0]]
         tdn[(gx, cdiv(int(lay_host[6]), GT_BR)), GT_THREADS, stream](
             b64, b8, bf, lay, gslot, gstart, wts, act, y)

@@ -92,8 +92,30 @@ def _silu_mul(g, u, out):
         out[i] = a / (float32(1.0) + math.exp(-a)) * u[i]
 
 
-def silu_mul(g, u, out, stream):
-    """out [n] = silu(g) * u (1-D views)."""
+@pdl_kernel
+@cuda.jit
+def _silu_mul_limited(g, u, out, limit, after):
+    pdl_wait()
+    pdl_trigger()
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        a = g[i]
+        b = min(max(u[i], -limit), limit)
+        if after:
+            out[i] = min(a / (float32(1.0) + math.exp(-a)), limit) * b
+        else:
+            a = min(a, limit)
+            out[i] = a / (float32(1.0) + math.exp(-a)) * b
+
+
+def silu_mul(g, u, out, stream, limit=0.0, after=False):
+    """out [n] = silu(g) * u (1-D views). limit > 0: u clipped to +-limit, and the gate clamped
+    from above at limit before the SiLU (DeepSeek-V4) or its SiLU after (after: Step-3.5);
+    reference.limited_expert's activation."""
+    if limit > 0:
+        _silu_mul_limited[cdiv(out.shape[0], THREADS), THREADS, stream](
+            g, u, out, float32(limit), bool(after))
+        return
     _silu_mul[cdiv(out.shape[0], THREADS), THREADS, stream](g, u, out)
 
 

@@ -168,14 +168,103 @@ def check_grouped_clamped(fmt, h, i, k, t, n_exp, rng):
     for g0, g1 in ((0, half), (half, len(experts))):
         ge.grouped_gate_up_down(fmt, views, dl, lh, d["gslot"][g0:g1], d["gstart"][g0:g1 + 1],
                                 d["order"], d["aw"], cuda.to_device(x), act, y, stream,
-                                clamp=(d["aid"], d["bias"], 1.702, 7.0,
-                                       (int(gstart[g0]), int(gstart[g1]))))
+                                clamp=lambda a, s, lo=int(gstart[g0]), hi=int(gstart[g1]):
+                                ge.clamped_swiglu(a, d["aid"], d["bias"], 1.702, 7.0, s, lo, hi))
     ge.combine(y, cuda.to_device(pos), out, stream, accumulate=True)
     ge.expert_bias_add(out, cuda.to_device(ids), cuda.to_device(wts.astype(np.float32)),
                        d["bias"], stream)
     stream.synchronize()
     exp = _oss_moe(x, ids, slot_of, wts, ws, bias, h, i)
     return _close(out.copy_to_host(), exp + base, what=f"grouped clamped {fmt}")
+
+
+def _limited_moe(x, ids, slot_of, wts, ws, limit):
+    """The oracle of Step-3.5's clamped experts (reference.limited_expert, after=True)."""
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for kk in range(ids.shape[1]):
+            out[t] += float(wts[t, kk]) * ref.limited_expert(x[t:t + 1], *ws[slot_of[int(ids[t, kk])]],
+                                                             limit, after=True)[0]
+    return out.astype(np.float32)
+
+
+def _biting_limit(x, ids, slot_of, ws):
+    """A clamp that cuts about half of the routed experts' up sums and SiLU'd gate sums."""
+    vals = []
+    for e in np.unique(ids):
+        g, u, _ = (np.asarray(w, np.float64) for w in ws[slot_of[int(e)]])
+        gs, us = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
+        vals += [np.abs(us).ravel(), (gs / (1 + np.exp(-gs))).ravel()]
+    return float(np.median(np.concatenate(vals)))
+
+
+def check_experts_limited(fmt, h, i, k, n_exp, rng, variant=""):
+    """Step-3.5's clamped experts for one token (expert_mlp_limited: RAW gate_up,
+    limited_swiglu, down) against reference.limited_expert, accumulating into out."""
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = make_bank(fmt, h, i, n_exp, rng)
+    lh = lay.as_array()
+    slot_of = rng.permutation(n_exp).astype(np.int32)
+    ids = rng.choice(n_exp, size=k, replace=False).astype(np.int32)
+    w = rng.random(k).astype(np.float32)
+    x = (rng.standard_normal(h) * 3.0).astype(np.float32)
+    limit = _biting_limit(x[None], ids, slot_of, ws)
+    base = rng.standard_normal(h).astype(np.float32)
+    out = cuda.to_device(base)
+    ge.expert_mlp_limited(fmt, ge.bank_views(dbank), cuda.to_device(lh), lh, cuda.to_device(slot_of[ids]),
+                          cuda.to_device(w), cuda.to_device(x), _nan((2 * k, i)), out, limit, stream,
+                          after=True, accumulate=True, variant=variant)
+    stream.synchronize()
+    exp = _limited_moe(x[None], ids[None], slot_of, w[None], ws, limit)[0]
+    return _close(out.copy_to_host(), exp + base, what=f"expert_mlp_limited {fmt} {variant}")
+
+
+def check_grouped_limited(fmt, h, i, k, t, n_exp, rng):
+    """Step-3.5's clamped experts over t tokens: tiled grouped kernels in two batches of groups,
+    limited_swiglu between them, then the combine."""
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = make_bank(fmt, h, i, n_exp, rng)
+    lh, dl = lay.as_array(), cuda.to_device(lay.as_array())
+    slot_of = rng.permutation(n_exp).astype(np.int32)
+    ids, wts = ref.router_topk(rng.standard_normal((t, n_exp)).astype(np.float32), k, True)
+    ids = ids.astype(np.int32)
+    gslot, gstart, order, aw, pos = ge.group_assignments(ids, wts, lambda e: slot_of[e])
+    x = (rng.standard_normal((t, h)) * 3.0).astype(np.float32)
+    limit = _biting_limit(x, ids, slot_of, ws)
+    a = t * k
+    act, y = _nan((2 * a, i)), _nan((a, h))
+    d = {n: cuda.to_device(v) for n, v in (("gslot", gslot), ("gstart", gstart), ("order", order),
+                                            ("aw", aw))}
+    half = len(np.unique(ids)) // 2
+    for g0, g1 in ((0, half), (half, len(np.unique(ids)))):
+        ge.grouped_gate_up_down(fmt, ge.bank_views(dbank), dl, lh, d["gslot"][g0:g1], d["gstart"][g0:g1 + 1],
+                                d["order"], d["aw"], cuda.to_device(x), act, y, stream,
+                                clamp=lambda a, s, lo=int(gstart[g0]), hi=int(gstart[g1]):
+                                ge.limited_swiglu(a, limit, s, lo, hi, after=True))
+    out = cuda.to_device(np.zeros((t, h), np.float32))
+    ge.combine(y, cuda.to_device(pos), out, stream)
+    stream.synchronize()
+    return _close(out.copy_to_host(), _limited_moe(x, ids, slot_of, wts, ws, limit),
+                  what=f"grouped limited {fmt}")
+
+
+def check_silu_mul_limited(rng, n=37):
+    """gm.silu_mul with a limit, both clamp placements, against limited_expert's activation."""
+    from kernels_numba import gpu_misc as gm
+    g, u = (rng.standard_normal(n) * 3.0).astype(np.float32), (rng.standard_normal(n) * 3.0).astype(np.float32)
+    for after in (False, True):
+        out = _nan((n,))
+        gm.silu_mul(cuda.to_device(g), cuda.to_device(u), out, cuda.stream(), 1.5, after=after)
+        cuda.synchronize()
+        g64, u64 = g.astype(np.float64), np.clip(u.astype(np.float64), -1.5, 1.5)
+        if after:
+            exp = np.minimum(g64 / (1 + np.exp(-g64)), 1.5) * u64
+        else:
+            gm64 = np.minimum(g64, 1.5)
+            exp = gm64 / (1 + np.exp(-gm64)) * u64
+        _close(out.copy_to_host(), exp.astype(np.float32), what=f"silu_mul limited after={after}")
 
 
 def check_experts_grouped(fmt, h, i, k, t, n_exp, rng, variant=""):
@@ -669,6 +758,12 @@ def _sim_checks_a(rng, t0) -> None:
         check_grouped_clamped(fmt, h, i, 2, 7, 5, rng)
     check_experts_clamped("nvfp4", 40, 24, 3, 5, rng, variant="tab-g2j1-d2j1")
     print(f"ok experts clamped {time.time() - t0:.0f}s", flush=True)
+    # Step-3.5: the same RAW sums, clamped without biases
+    for fmt, h, i in (("nvfp4", 44, 22), ("bf16", 36, 20)):
+        check_experts_limited(fmt, h, i, 3, 5, rng)
+        check_grouped_limited(fmt, h, i, 2, 7, 5, rng)
+    check_silu_mul_limited(rng)
+    print(f"ok experts limited {time.time() - t0:.0f}s", flush=True)
 
 
 def _sim_checks_b(rng, t0) -> None:
@@ -778,6 +873,18 @@ def test_experts_clamped_gpu(fmt):
     rng = np.random.default_rng()
     check_experts_clamped(fmt, 2880, 2880, 4, 32, rng)
     check_grouped_clamped(fmt, 2880, 2880, 4, 256, 32, rng)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_experts_limited_gpu(fmt):
+    """Step-3.5-Flash's experts (4096 x 1280, top-8 of 288) clamped: decode in the format's RAW
+    variant, prefill in the tiled kernels (256 tokens), against reference.limited_expert."""
+    rng = np.random.default_rng()
+    check_experts_limited(fmt, 4096, 1280, 8, 32, rng)
+    check_grouped_limited(fmt, 4096, 1280, 8, 256, 32, rng)
+    check_silu_mul_limited(rng, 5000)
 
 
 @pytest.mark.gpu

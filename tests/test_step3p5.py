@@ -27,6 +27,25 @@ TEXT = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_lay
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
 
 
+def build(dst, dtype: str = "float32", **over):
+    """A random tiny Step3p7ForConditionalGeneration (TEXT with overrides) saved into dst."""
+    import torch
+    import transformers as tf
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"step3p5 weights seed {seed}", flush=True)
+    torch.manual_seed(seed)
+    model = tf.Step3p7ForConditionalGeneration(tf.Step3p7Config(text_config={**TEXT, **over},
+                                                                vision_config=VISION))
+    widen_init(model)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
+    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
+    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The wrapper's folder (step3p7), the text-only folder (step3p5, older config fields), and
@@ -34,18 +53,7 @@ def tiny(tmp_path_factory):
     import torch
     import transformers as tf
     d = tmp_path_factory.mktemp("step3p5")
-    seed = int(np.random.default_rng().integers(1 << 31))
-    print(f"step3p5 weights seed {seed}", flush=True)
-    torch.manual_seed(seed)
-    model = tf.Step3p7ForConditionalGeneration(tf.Step3p7Config(text_config=TEXT, vision_config=VISION))
-    widen_init(model)
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.2)
-    model.eval().save_pretrained(d / "vl")
-    byte_level_tokenizer().save(str(d / "vl" / "tokenizer.json"))
-    (d / "vl" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    build(d / "vl")
     # the text-only release: the same tensors, its config.json flat with the older fields (each
     # per-layer list with an entry for an MTP layer, the MoE layers by index, the sliding heads)
     shutil.copytree(d / "vl", d / "text")
@@ -106,3 +114,65 @@ def test_packed_and_resumed(tiny, tmp_path):
 def test_config_refused(fields, says):
     with pytest.raises(ConfigError, match=says):
         family_of({**TEXT, "model_type": "step3p5", **fields})
+
+
+# ---- the cuda backend (engine/gpu_step.py) ------------------------------------------------------
+
+# sliding layers with more heads than the full ones (Step-3.5-Flash's 96 against 64: the buffers
+# take the widest, a full layer reads a prefix), window 2 (it bites in the check's decode step)
+WIDE = dict(num_sliding_attention_heads=6, sliding_window=2)
+# the simulator's model, two layers (it costs about 0.1 s a block): a sliding dense layer with
+# the dense MLP clamped, a full routed layer (fewer heads, partial RoPE) with the experts and
+# the shared expert clamped
+SIM = dict(WIDE, num_hidden_layers=2, num_attention_heads=2, num_sliding_attention_heads=4,
+           layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+           rope_theta=[10000.0, 5000.0], partial_rotary_factors=[1.0, 0.5], swiglu_limits=[0, 0.8],
+           swiglu_limits_shared=[0.9, 1.0], vocab_size=24, hidden_size=16, intermediate_size=16,
+           moe_intermediate_size=8, share_expert_dim=8, num_local_experts=4, n_routed_experts=4,
+           max_position_embeddings=64)
+
+
+def test_simulator_decoder(tmp_path):
+    """The eager CUDA decoder under NUMBA_ENABLE_CUDASIM=1 against the CPU backend (bf16, as
+    the cuda backend builds its expert blocks from a checkpoint): tests/test_families_cuda.py's
+    check, run as a script in a subprocess."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    build(tmp_path, "bfloat16", **SIM)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
+    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("over", [{}, WIDE])
+def test_cuda_matches_transformers(tmp_path, over):
+    import torch
+    import transformers as tf
+    build(tmp_path, "bfloat16", **over)
+    ref = tf.Step3p7ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = np.random.default_rng().integers(0, 300, 12)
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+    g = engine.load(tmp_path, device="cuda")
+    assert rel_err(g.logits(ids), want) < 1e-4
+    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=24).output_ids, 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident", [True, False])
+def test_graph_replay_and_streaming(tmp_path, resident):
+    """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them, the
+    clamp on a routed layer), resident or streamed under a tiny budget."""
+    from conftest import check_graph_replay_equals_eager
+    from engine.pack import pack
+    build(tmp_path / "src", **WIDE, hidden_size=64, num_local_experts=16, n_routed_experts=16,
+          num_experts_per_tok=4)
+    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
+    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
+                                    resident)

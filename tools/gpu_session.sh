@@ -212,11 +212,16 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          # not yet run): their parity cases beside the MLA kernels' tests
          run dsa tests/test_families_cuda.py -k "deepseek_v32 or glm_moe_dsa" &
          run mla tests/test_mla_cuda.py & wait ;;
+    s27) # the never-run families on cuda (2026-12-07): Step-3.5 (tests/test_step3p5.py, and the
+         # limited SwiGLU experts' kernels) beside DeepSeek-V3.2 / GLM-5 and EXAONE-MoE's parity
+         run step tests/test_step3p5.py &
+         run fam tests/test_families_cuda.py -k "deepseek_v32 or glm_moe_dsa or exaone" &
+         run limited tests/test_cuda_kernels.py -k limited & wait ;;
     s25p) # s25's probe and the engine's gather tests alone (little device time left)
          timeout 90 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn \
              > "$OUT/bench.txt"
          LIMIT=${TEST_S:-150} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
