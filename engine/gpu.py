@@ -544,7 +544,7 @@ class GpuDecoder:
         rows = x if all_logits else x[t - 1:t]
         n = rows.shape[0]
         hn = b.h[:n]
-        gd.rmsnorm(rows, self.w("final_norm"), c.rms_eps, hn, cs)
+        self._norm(rows, self.w("final_norm"), hn)
         if self.logits_d is None or self.logits_d.shape[0] < n:
             self.logits_d = cuda.device_array((max(n, 1), c.vocab_size), np.float32)
             self.logits_h = cuda.pinned_array((max(n, 1), c.vocab_size), np.float32)
@@ -633,8 +633,8 @@ class GpuDecoder:
                       b.act[:c.top_k], b.x.reshape(-1), cs, accumulate=True)
 
     def _seg_head(self):
-        b, c, cs = self.one, self.c, self.cs
-        gd.rmsnorm(b.x, self.w("final_norm"), c.rms_eps, b.h, cs)
+        b, c = self.one, self.c
+        self._norm(b.x, self.w("final_norm"), b.h)
         lw = self.w("embed") if c.tie_embeddings else self.w("lm_head")
         self._linear(lw, b.h, self.logits_d[:1])
 
@@ -997,22 +997,37 @@ class GpuDecoder:
         gd.gemm(w, x, tmp, self.cs)
         gd.add(res.reshape(-1), tmp.reshape(-1), res.reshape(-1), self.cs)
 
-    def _attention(self, l, b, t, st):
+    def _norm(self, x, w, out):
+        """The residual stream's norm (attn_norm, mlp_norm, final_norm): x [T, H] -> out."""
+        gd.rmsnorm(x, w, self.c.rms_eps, out, self.cs)
+
+    def _qkv(self, l, b, t, fuse_norm: bool = True):
+        """Layer l's q, k, v of attn_norm(x) ([T, Hq D], [T, Hkv D] twice). One token: one launch
+        of the fused matrix, the norm fused in where fuse_norm (the normed row is not kept);
+        else the norm into b.h first."""
         c, cs = self.c, self.cs
         x, h = b.x[:t], b.h[:t]
-        q, k, v = b.q[:t], b.k[:t], b.v[:t]
         if t == 1 and self.fuse_qkv:   # q, k, v of one token are consecutive ranges of b.qkv
-            # attn_norm fused into the projection (one launch; the normed row is not kept)
-            gd.linear(self.w("qkv", l), x, b.qkv.reshape(1, -1), cs,
-                      norm=(self.w("attn_norm", l), c.rms_eps, 0.0, None))
-            q = b.qkv[:c.q_dim].reshape(1, c.q_dim)
-            k = b.qkv[c.q_dim:c.q_dim + c.kv_dim].reshape(1, c.kv_dim)
-            v = b.qkv[c.q_dim + c.kv_dim:].reshape(1, c.kv_dim)
-        else:
-            gd.rmsnorm(x, self.w("attn_norm", l), c.rms_eps, h, cs)
-            self._linear(self.w("q", l), h, q)
-            self._linear(self.w("k", l), h, k)
-            self._linear(self.w("v", l), h, v)
+            if fuse_norm:
+                gd.linear(self.w("qkv", l), x, b.qkv.reshape(1, -1), cs,
+                          norm=(self.w("attn_norm", l), c.rms_eps, 0.0, None))
+            else:
+                self._norm(x, self.w("attn_norm", l), h)
+                gd.linear(self.w("qkv", l), h, b.qkv.reshape(1, -1), cs)
+            return (b.qkv[:c.q_dim].reshape(1, c.q_dim),
+                    b.qkv[c.q_dim:c.q_dim + c.kv_dim].reshape(1, c.kv_dim),
+                    b.qkv[c.q_dim + c.kv_dim:].reshape(1, c.kv_dim))
+        q, k, v = b.q[:t], b.k[:t], b.v[:t]
+        self._norm(x, self.w("attn_norm", l), h)
+        self._linear(self.w("q", l), h, q)
+        self._linear(self.w("k", l), h, k)
+        self._linear(self.w("v", l), h, v)
+        return q, k, v
+
+    def _attention(self, l, b, t, st):
+        c, cs = self.c, self.cs
+        x = b.x[:t]
+        q, k, v = self._qkv(l, b, t)
         if c.attention_bias:
             gm.add_rows(q, self.w("q_bias", l), cs)
             gm.add_rows(k, self.w("k_bias", l), cs)
@@ -1047,10 +1062,15 @@ class GpuDecoder:
         if oss and c.attention_bias:
             gm.add_rows(x, self.w("o_bias", l), cs)
 
+    def _mlp_in(self, l, b, t):
+        """The MLP's input, mlp_norm(x), in b.h (returned)."""
+        h = b.h[:t]
+        self._norm(b.x[:t], self.w("mlp_norm", l), h)
+        return h
+
     def _dense_mlp(self, l, b, t):
-        c, cs = self.c, self.cs
-        x, h = b.x[:t], b.h[:t]
-        gd.rmsnorm(x, self.w("mlp_norm", l), c.rms_eps, h, cs)
+        x, cs = b.x[:t], self.cs
+        h = self._mlp_in(l, b, t)
         g = self._swiglu_in(self.w("mlp_gate", l), self.w("mlp_up", l), h, b.g[:t], b.u[:t],
                             self._limit(l, shared=True))
         self._linear(self.w("mlp_down", l), g, b.o[:t])
@@ -1080,8 +1100,7 @@ class GpuDecoder:
             gd.linear(self.w("router", l), x, rl, self.cs,
                       norm=(self.w("mlp_norm", l), c.rms_eps, 0.0, h))
             return
-        gd.rmsnorm(x, self.w("mlp_norm", l), c.rms_eps, h, self.cs)
-        self._linear(self.w("router", l), h, rl)
+        self._linear(self.w("router", l), self._mlp_in(l, b, t), rl)
 
     def _topk(self, l, rl, ids, w, slots=None):
         """The routing of layer l's logits rl: softmax top-k, or (routing "sigmoid") sigmoid

@@ -202,7 +202,9 @@ def _dense_keys(c):
         keys.append(("lm_head", None))
     from engine.gpu import clamped
     oss = clamped(c)   # gpt-oss: o bias, sinks, router bias (engine/gpu.py clamped)
-    per = ["attn_norm", "mlp_norm", "q", "k", "v", "o"]
+    from engine.models.cohere2_moe import Cohere2MoeConfig
+    parallel = isinstance(c, Cohere2MoeConfig)   # one norm a layer (engine/gpu_cohere.py)
+    per = ["attn_norm"] + ([] if parallel else ["mlp_norm"]) + ["q", "k", "v", "o"]
     if c.attention_bias:
         per += ["q_bias", "k_bias", "v_bias"] + (["o_bias"] if oss else [])
     if c.qk_norm != "none":
@@ -252,7 +254,7 @@ def cuda_status() -> tuple[bool, str]:
 GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1", "qwen3_next",
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
-                "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7")
+                "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe")
 
 
 def pick_device(device: str, family: str) -> str:
@@ -377,7 +379,7 @@ class Engine:
 
     def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route, speculate):
         """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py,
-        gpu_mla.py, gpu_step.py)."""
+        gpu_mla.py, gpu_step.py, gpu_cohere.py)."""
         from numba import cuda
 
         from engine.models.deepseek_v3 import DeepseekV3Config
@@ -412,10 +414,14 @@ class Engine:
             from engine import gpu_mla as g
             Decoder, kv = g.GpuMlaDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
         else:
+            from engine.models.cohere2_moe import Cohere2MoeConfig
             from engine.models.step3p5 import Step3p5Config
             if isinstance(c, Step3p5Config):   # Step-3.5's attention: engine/gpu_step.py
                 from engine import gpu_step as g
                 Decoder = g.GpuStepDecoder
+            elif isinstance(c, Cohere2MoeConfig):   # the parallel residual: engine/gpu_cohere.py
+                from engine import gpu_cohere as g
+                Decoder = g.GpuCohereDecoder
             else:
                 from engine import gpu as g
                 Decoder = g.GpuDecoder

@@ -773,6 +773,69 @@ def rmsnorm(x, w, eps, y, stream, w_offset=0.0):
             x, w, float32(eps), float32(w_offset), y)
 
 
+@pdl_kernel
+@cuda.jit
+def _layernorm(x, w, eps, y):
+    """x float32 [R, N], w float32 [N] -> y [R, N] = (x - mean) / sqrt(var + eps) * w (no bias);
+    one warp a row, the mean then the variance of the centred row (two reductions, no
+    cancellation)."""
+    pdl_wait()
+    pdl_trigger()
+    red = cuda.shared.array(NORM_THREADS, float32)
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    r0 = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + tid // WARP
+    R, N = x.shape
+    r = min(r0, R - 1)
+    s = float32(0.0)
+    for i in range(lane, N, WARP):
+        s += x[r, i]
+    mean = warp_sum(s, red) / float32(N)
+    ss = float32(0.0)
+    for i in range(lane, N, WARP):
+        v = x[r, i] - mean
+        ss += v * v
+    ss = warp_sum(ss, red)
+    inv = float32(1.0) / math.sqrt(ss / float32(N) + eps)
+    if r0 < R:
+        for i in range(lane, N, WARP):
+            y[r, i] = (x[r, i] - mean) * inv * w[i]
+
+
+@pdl_kernel
+@cuda.jit
+def _layernorm_block(x, w, eps, y):
+    """Long rows: one block a row (NORM_BLOCK threads), block reductions."""
+    pdl_wait()
+    pdl_trigger()
+    red = cuda.shared.array(NORM_BLOCK, float32)
+    wred = cuda.shared.array(32, float32)
+    r = cuda.blockIdx.x
+    N = x.shape[1]
+    s = float32(0.0)
+    for i in range(cuda.threadIdx.x, N, cuda.blockDim.x):
+        s += x[r, i]
+    mean = block_sum(s, red, wred) / float32(N)
+    ss = float32(0.0)
+    for i in range(cuda.threadIdx.x, N, cuda.blockDim.x):
+        v = x[r, i] - mean
+        ss += v * v
+    ss = block_sum(ss, red, wred)
+    inv = float32(1.0) / math.sqrt(ss / float32(N) + eps)
+    for i in range(cuda.threadIdx.x, N, cuda.blockDim.x):
+        y[r, i] = (x[r, i] - mean) * inv * w[i]
+
+
+def layernorm(x, w, eps, y, stream):
+    """LayerNorm without bias (Cohere): x [R, N] -> y [R, N] (y may be x); reference.layernorm.
+    Rows as rmsnorm's."""
+    r, n = x.shape
+    if n >= NORM_BLOCK_MIN:
+        _layernorm_block[r, NORM_BLOCK, stream](x, w, float32(eps), y)
+    else:
+        _layernorm[cdiv(r, NORM_THREADS // WARP), NORM_THREADS, stream](x, w, float32(eps), y)
+
+
 # ---- RoPE -------------------------------------------------------------------------------------
 
 @pdl_kernel

@@ -1529,7 +1529,7 @@ def clamped_swiglu(act, eid, bias, alpha, limit, stream, lo=0, hi=None):
 
 @pdl_kernel
 @cuda.jit
-def _limited_swiglu(act, lo, limit, after):
+def _limited_swiglu(act, lo, limit, after, alpha):
     """grid (cdiv(I, THREADS), rows); row a = lo + blockIdx.y."""
     pdl_wait()
     pdl_trigger()
@@ -1540,24 +1540,28 @@ def _limited_swiglu(act, lo, limit, after):
     if r < I:
         g = act[a, r]
         u = min(max(act[A + a, r], -limit), limit)
-        if after:
+        if alpha > float32(0.0):
+            g = min(g, limit)
+            act[a, r] = (u + float32(1.0)) * g / (float32(1.0) + math.exp(-alpha * g))
+        elif after:
             act[a, r] = min(g / (float32(1.0) + math.exp(-g)), limit) * u
         else:
             g = min(g, limit)
             act[a, r] = g / (float32(1.0) + math.exp(-g)) * u
 
 
-def limited_swiglu(act, limit, stream, lo=0, hi=None, after=False):
+def limited_swiglu(act, limit, stream, lo=0, hi=None, after=False, alpha=0.0):
     """act float32 [2A, I] (RAW gate and up sums) -> act[a] for rows lo <= a < hi (default
     all): SwiGLU with up clipped to +-limit and the gate clamped from above at limit, before
-    the SiLU (DeepSeek-V4) or after it (after: Step-3.5); reference.limited_expert's."""
+    the SiLU (DeepSeek-V4) or after it (after: Step-3.5); alpha > 0: gpt-oss's form without
+    biases, (u + 1) * g * sigmoid(alpha g) (MiniMax-M3); reference.limited_expert's."""
     a2, i = act.shape
     hi = a2 // 2 if hi is None else hi
     if a2 % 2:
         raise ValueError(f"limited_swiglu: act {act.shape} must hold 2A rows")
     if hi > lo:
         _limited_swiglu[(cdiv(i, THREADS), hi - lo), THREADS, stream](
-            act, int32(lo), float32(limit), bool(after))
+            act, int32(lo), float32(limit), bool(after), float32(alpha))
 
 
 def expert_bias_add(out, ids, weights, bias, stream):
@@ -2223,12 +2227,12 @@ def expert_mlp_clamped(fmt, views, lay, lay_host, slots, ids, weights, x, act, o
 
 
 def expert_mlp_limited(fmt, views, lay, lay_host, slots, weights, x, act, out, limit, stream,
-                       after=False, accumulate=False, variant=""):
+                       after=False, accumulate=False, variant="", alpha=0.0):
     """Experts with a clamped SwiGLU and no biases (limited_swiglu) for one token (expert_mlp's
     contract), act float32 [2K, I] scratch; three launches, nothing allocated, no sync."""
     k = slots.shape[0]
     expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant, raw=True)
-    limited_swiglu(act, limit, stream, after=after)
+    limited_swiglu(act, limit, stream, after=after, alpha=alpha)
     expert_down(fmt, views, lay, lay_host, slots, weights, act[:k], out, stream, accumulate,
                 variant)
 

@@ -94,27 +94,31 @@ def _silu_mul(g, u, out):
 
 @pdl_kernel
 @cuda.jit
-def _silu_mul_limited(g, u, out, limit, after):
+def _silu_mul_limited(g, u, out, limit, after, alpha):
     pdl_wait()
     pdl_trigger()
     i = cuda.grid(1)
     if i < out.shape[0]:
         a = g[i]
         b = min(max(u[i], -limit), limit)
-        if after:
+        if alpha > float32(0.0):
+            a = min(a, limit)
+            out[i] = (b + float32(1.0)) * a / (float32(1.0) + math.exp(-alpha * a))
+        elif after:
             out[i] = min(a / (float32(1.0) + math.exp(-a)), limit) * b
         else:
             a = min(a, limit)
             out[i] = a / (float32(1.0) + math.exp(-a)) * b
 
 
-def silu_mul(g, u, out, stream, limit=0.0, after=False):
+def silu_mul(g, u, out, stream, limit=0.0, after=False, alpha=0.0):
     """out [n] = silu(g) * u (1-D views). limit > 0: u clipped to +-limit, and the gate clamped
-    from above at limit before the SiLU (DeepSeek-V4) or its SiLU after (after: Step-3.5);
+    from above at limit before the SiLU (DeepSeek-V4) or its SiLU after (after: Step-3.5), or
+    alpha > 0: gpt-oss's (u + 1) * g * sigmoid(alpha g) without biases (MiniMax-M3);
     reference.limited_expert's activation."""
     if limit > 0:
         _silu_mul_limited[cdiv(out.shape[0], THREADS), THREADS, stream](
-            g, u, out, float32(limit), bool(after))
+            g, u, out, float32(limit), bool(after), float32(alpha))
         return
     _silu_mul[cdiv(out.shape[0], THREADS), THREADS, stream](g, u, out)
 

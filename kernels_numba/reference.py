@@ -79,6 +79,14 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x64 * r * w.astype(np.float64)).astype(np.float32)
 
 
+def layernorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., N], w [N] -> (x - mean) / sqrt(var + eps) * w over the last axis (no bias)."""
+    x64 = x.astype(np.float64)
+    x64 = x64 - x64.mean(axis=-1, keepdims=True)
+    r = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (x64 * r * w.astype(np.float64)).astype(np.float32)
+
+
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
          attention_scaling: float = 1.0) -> np.ndarray:
     """Rotate-half RoPE on the first 2*len(inv_freq) dims of each head.
@@ -251,14 +259,18 @@ def gpt_oss_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.nda
 
 
 def limited_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
-                   limit: float, after: bool = False) -> np.ndarray:
+                   limit: float, after: bool = False, alpha: float = 0.0) -> np.ndarray:
     """DeepSeek-V4's SwiGLU: g = min(x gate^T, limit), u = clip(x up^T, +-limit),
     out = (g * sigmoid(g) * u) down^T -> [T, H] float32; after (Step-3.5's): out =
-    (min(silu(x gate^T), limit) * u) down^T."""
+    (min(silu(x gate^T), limit) * u) down^T; alpha > 0 (MiniMax-M3's, gpt_oss_expert without
+    biases): out = ((u + 1) * g * sigmoid(alpha g)) down^T."""
     x64 = x.astype(np.float64)
     g = x64 @ gate.astype(np.float64).T
     u = np.clip(x64 @ up.astype(np.float64).T, -limit, limit)
-    if after:
+    if alpha > 0:
+        g = np.minimum(g, limit)
+        a = (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+    elif after:
         a = np.minimum(g / (1.0 + np.exp(-g)), limit) * u
     else:
         g = np.minimum(g, limit)

@@ -26,13 +26,15 @@ CASES = [
 ]
 
 
-def build(dst, **over):
+def build(dst, dtype: str = "float32", **over):
+    """A random tiny Cohere2MoeForCausalLM (TINY with overrides) saved into dst in dtype, and
+    transformers on it in float32."""
     import torch
     import transformers as tf
     torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
     model = tf.Cohere2MoeForCausalLM(tf.Cohere2MoeConfig(**{**TINY, **over}))
     widen_init(model)
-    model.eval().save_pretrained(dst)
+    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
     byte_level_tokenizer().save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return tf.Cohere2MoeForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
@@ -60,3 +62,53 @@ def test_config_read_and_refused():
         family_of({**TINY, "model_type": "cohere2_moe", "shared_expert_combination_strategy": "max"})
     with pytest.raises(ConfigError, match="layer_types must give each of the 4 layers"):
         family_of({**TINY, "model_type": "cohere2_moe", "layer_types": ["full_attention"]})
+
+
+# the simulator's model: a forced-RoPE dense layer, a sliding routed one and a full one without
+# RoPE; LayerNorm, softmax routing, a shared expert averaged in
+SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=8, prefix_dense_intermediate_size=12,
+           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+           max_position_embeddings=64)
+
+
+def test_simulator_decoder(tmp_path):
+    """The eager CUDA decoder (engine/gpu_cohere.py) under NUMBA_ENABLE_CUDASIM=1 against the
+    CPU backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    build(tmp_path, "bfloat16", **SIM)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
+    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("over", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_cuda_matches_transformers(tmp_path, over):
+    import torch
+    ref = build(tmp_path, "bfloat16", **over)
+    ids = np.random.default_rng().integers(0, 300, 12)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    g = engine.load(tmp_path, device="cuda")
+    assert rel_err(g.logits(ids), want) < 1e-4
+    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident", [True, False])
+@pytest.mark.parametrize("over", CASES[:2], ids=["0", "1"])
+def test_graph_replay_and_streaming(tmp_path, over, resident):
+    """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
+    resident or streamed under a tiny budget."""
+    from conftest import check_graph_replay_equals_eager
+    from engine.pack import pack
+    build(tmp_path / "src", **{**over, "hidden_size": 64, "num_experts": 16, "num_experts_per_tok": 4})
+    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
+    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
+                                    resident)

@@ -178,13 +178,18 @@ def check_grouped_clamped(fmt, h, i, k, t, n_exp, rng):
     return _close(out.copy_to_host(), exp + base, what=f"grouped clamped {fmt}")
 
 
-def _limited_moe(x, ids, slot_of, wts, ws, limit):
-    """The oracle of Step-3.5's clamped experts (reference.limited_expert, after=True)."""
+# the clamped SwiGLUs without biases: Step-3.5's (the SiLU clamped after), MiniMax-M3's
+# (gpt-oss's form)
+LIMITED_FORMS = (dict(after=True), dict(alpha=1.702))
+
+
+def _limited_moe(x, ids, slot_of, wts, ws, limit, form):
+    """The oracle of the clamped experts (reference.limited_expert in form)."""
     out = np.zeros(x.shape, np.float64)
     for t in range(x.shape[0]):
         for kk in range(ids.shape[1]):
             out[t] += float(wts[t, kk]) * ref.limited_expert(x[t:t + 1], *ws[slot_of[int(ids[t, kk])]],
-                                                             limit, after=True)[0]
+                                                             limit, **form)[0]
     return out.astype(np.float32)
 
 
@@ -198,8 +203,8 @@ def _biting_limit(x, ids, slot_of, ws):
     return float(np.median(np.concatenate(vals)))
 
 
-def check_experts_limited(fmt, h, i, k, n_exp, rng, variant=""):
-    """Step-3.5's clamped experts for one token (expert_mlp_limited: RAW gate_up,
+def check_experts_limited(fmt, h, i, k, n_exp, rng, variant="", form=LIMITED_FORMS[0]):
+    """Clamped experts without biases for one token (expert_mlp_limited: RAW gate_up,
     limited_swiglu, down) against reference.limited_expert, accumulating into out."""
     from kernels_numba import gpu_experts as ge
     stream = cuda.stream()
@@ -214,14 +219,14 @@ def check_experts_limited(fmt, h, i, k, n_exp, rng, variant=""):
     out = cuda.to_device(base)
     ge.expert_mlp_limited(fmt, ge.bank_views(dbank), cuda.to_device(lh), lh, cuda.to_device(slot_of[ids]),
                           cuda.to_device(w), cuda.to_device(x), _nan((2 * k, i)), out, limit, stream,
-                          after=True, accumulate=True, variant=variant)
+                          accumulate=True, variant=variant, **form)
     stream.synchronize()
-    exp = _limited_moe(x[None], ids[None], slot_of, w[None], ws, limit)[0]
-    return _close(out.copy_to_host(), exp + base, what=f"expert_mlp_limited {fmt} {variant}")
+    exp = _limited_moe(x[None], ids[None], slot_of, w[None], ws, limit, form)[0]
+    return _close(out.copy_to_host(), exp + base, what=f"expert_mlp_limited {fmt} {variant} {form}")
 
 
-def check_grouped_limited(fmt, h, i, k, t, n_exp, rng):
-    """Step-3.5's clamped experts over t tokens: tiled grouped kernels in two batches of groups,
+def check_grouped_limited(fmt, h, i, k, t, n_exp, rng, form=LIMITED_FORMS[0]):
+    """Clamped experts without biases over t tokens: tiled grouped kernels in two batches of groups,
     limited_swiglu between them, then the combine."""
     from kernels_numba import gpu_experts as ge
     stream = cuda.stream()
@@ -242,16 +247,17 @@ def check_grouped_limited(fmt, h, i, k, t, n_exp, rng):
         ge.grouped_gate_up_down(fmt, ge.bank_views(dbank), dl, lh, d["gslot"][g0:g1], d["gstart"][g0:g1 + 1],
                                 d["order"], d["aw"], cuda.to_device(x), act, y, stream,
                                 clamp=lambda a, s, lo=int(gstart[g0]), hi=int(gstart[g1]):
-                                ge.limited_swiglu(a, limit, s, lo, hi, after=True))
+                                ge.limited_swiglu(a, limit, s, lo, hi, **form))
     out = cuda.to_device(np.zeros((t, h), np.float32))
     ge.combine(y, cuda.to_device(pos), out, stream)
     stream.synchronize()
-    return _close(out.copy_to_host(), _limited_moe(x, ids, slot_of, wts, ws, limit),
-                  what=f"grouped limited {fmt}")
+    return _close(out.copy_to_host(), _limited_moe(x, ids, slot_of, wts, ws, limit, form),
+                  what=f"grouped limited {fmt} {form}")
 
 
 def check_silu_mul_limited(rng, n=37):
-    """gm.silu_mul with a limit, both clamp placements, against limited_expert's activation."""
+    """gm.silu_mul with a limit, both clamp placements and gpt-oss's form, against
+    limited_expert's activation."""
     from kernels_numba import gpu_misc as gm
     g, u = (rng.standard_normal(n) * 3.0).astype(np.float32), (rng.standard_normal(n) * 3.0).astype(np.float32)
     for after in (False, True):
@@ -265,6 +271,12 @@ def check_silu_mul_limited(rng, n=37):
             gm64 = np.minimum(g64, 1.5)
             exp = gm64 / (1 + np.exp(-gm64)) * u64
         _close(out.copy_to_host(), exp.astype(np.float32), what=f"silu_mul limited after={after}")
+    out = _nan((n,))
+    gm.silu_mul(cuda.to_device(g), cuda.to_device(u), out, cuda.stream(), 1.5, alpha=1.702)
+    cuda.synchronize()
+    gm64 = np.minimum(g.astype(np.float64), 1.5)
+    exp = (np.clip(u.astype(np.float64), -1.5, 1.5) + 1) * gm64 / (1 + np.exp(-1.702 * gm64))
+    _close(out.copy_to_host(), exp.astype(np.float32), what="silu_mul limited alpha")
 
 
 def check_experts_grouped(fmt, h, i, k, t, n_exp, rng, variant=""):
@@ -421,6 +433,12 @@ def check_norm_rope_embed(rng, t, nh, d, r, hidden, vocab):
     gd.rmsnorm(cuda.to_device(x), cuda.to_device(w), 1e-6, y, stream)
     stream.synchronize()
     _close(y.copy_to_host(), ref.rmsnorm(x, w, 1e-6), what="rmsnorm")
+    for n in (hidden, 20):   # LayerNorm (no bias) of a block a row, of a warp a row; an offset
+        xo = np.ascontiguousarray(x[:, :n] + np.float32(3.0))   # that its mean removes
+        y = _nan((t, n))
+        gd.layernorm(cuda.to_device(xo), cuda.to_device(w[:n]), 1e-5, y, stream)
+        stream.synchronize()
+        _close(y.copy_to_host(), ref.layernorm(xo, w[:n], 1e-5), what=f"layernorm {n}")
     qh = rng.standard_normal((t, nh, d)).astype(np.float32)       # per-head norm, (1 + w)
     wh = rng.standard_normal(d).astype(np.float32) * 0.1
     dq = cuda.to_device(qh.reshape(t * nh, d))
@@ -758,10 +776,11 @@ def _sim_checks_a(rng, t0) -> None:
         check_grouped_clamped(fmt, h, i, 2, 7, 5, rng)
     check_experts_clamped("nvfp4", 40, 24, 3, 5, rng, variant="tab-g2j1-d2j1")
     print(f"ok experts clamped {time.time() - t0:.0f}s", flush=True)
-    # Step-3.5: the same RAW sums, clamped without biases
-    for fmt, h, i in (("nvfp4", 44, 22), ("bf16", 36, 20)):
-        check_experts_limited(fmt, h, i, 3, 5, rng)
-        check_grouped_limited(fmt, h, i, 2, 7, 5, rng)
+    # Step-3.5 / MiniMax-M3: the same RAW sums, clamped without biases (a form a format: the
+    # activation reads the sums whatever decoded them)
+    for (fmt, h, i), form in zip((("nvfp4", 44, 22), ("bf16", 36, 20)), LIMITED_FORMS):
+        check_experts_limited(fmt, h, i, 3, 5, rng, form=form)
+        check_grouped_limited(fmt, h, i, 2, 7, 5, rng, form=form)
     check_silu_mul_limited(rng)
     print(f"ok experts limited {time.time() - t0:.0f}s", flush=True)
 
@@ -879,11 +898,13 @@ def test_experts_clamped_gpu(fmt):
 @gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_experts_limited_gpu(fmt):
-    """Step-3.5-Flash's experts (4096 x 1280, top-8 of 288) clamped: decode in the format's RAW
-    variant, prefill in the tiled kernels (256 tokens), against reference.limited_expert."""
+    """Step-3.5-Flash's experts (4096 x 1280, top-8 of 288) clamped, in Step's form and
+    MiniMax-M3's: decode in the format's RAW variant, prefill in the tiled kernels (256 tokens),
+    against reference.limited_expert."""
     rng = np.random.default_rng()
-    check_experts_limited(fmt, 4096, 1280, 8, 32, rng)
-    check_grouped_limited(fmt, 4096, 1280, 8, 256, 32, rng)
+    for form in LIMITED_FORMS:
+        check_experts_limited(fmt, 4096, 1280, 8, 32, rng, form=form)
+        check_grouped_limited(fmt, 4096, 1280, 8, 256, 32, rng, form=form)
     check_silu_mul_limited(rng, 5000)
 
 

@@ -110,7 +110,8 @@ SIM_CASES = {
 DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "glm4_moe_lite": "GpuMlaDecoder", "kimi_k25": "GpuMlaDecoder",
             "deepseek_v32": "GpuMlaDecoder", "glm_moe_dsa": "GpuMlaDecoder",
-            "step3p5": "GpuStepDecoder", "step3p7": "GpuStepDecoder"}   # tests/test_step3p5.py
+            "step3p5": "GpuStepDecoder", "step3p7": "GpuStepDecoder",   # tests/test_step3p5.py
+            "cohere2_moe": "GpuCohereDecoder"}   # tests/test_cohere2_moe.py
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))
