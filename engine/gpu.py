@@ -53,13 +53,15 @@ def clamped(c) -> bool:
     """gpt-oss: biased experts with a clamped SwiGLU (gx.expert_mlp_clamped: act holds the
     gate and up sums, 2A rows), q / k / v / o biases, attention sinks, a biased router and
     per-layer sliding windows."""
-    return getattr(c, "swiglu_limit", None) is not None
+    from engine.models.gpt_oss import GptOssConfig
+    return isinstance(c, GptOssConfig)
 
 
 def raw_act(c) -> bool:
     """The experts' act scratch holds the RAW gate and up sums, [2A, I]: gpt-oss's clamped
-    SwiGLU, or per-layer clamps without biases (Step-3.5's limits, GpuDecoder._limit)."""
-    return clamped(c) or any(getattr(c, "limits", ()))
+    SwiGLU, or clamps without biases (GpuDecoder._limit: Step-3.5's limits, MiniMax-M3's
+    swiglu_limit)."""
+    return getattr(c, "swiglu_limit", None) is not None or any(getattr(c, "limits", ()))
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
@@ -182,9 +184,15 @@ def _widened(a) -> np.ndarray:
     """A weight as the device takes it: bf16 vectors (1-D, or one row) widened to float32, the
     rest as is."""
     a = np.asarray(a)
-    if a.dtype == np.uint16 and a.size == a.shape[-1]:
-        a = (a.astype(np.uint32) << 16).view(np.float32)
-    return a
+    return as_f32(a) if a.dtype == np.uint16 and a.size == a.shape[-1] else a
+
+
+def as_f32(a) -> np.ndarray:
+    """A host weight in float32 (bf16 bits widened exactly)."""
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(a, dtype=np.float32)
 
 
 def embed_on_host(c) -> bool:
@@ -194,6 +202,7 @@ def embed_on_host(c) -> bool:
 
 class GpuDecoder:
     fuse_qkv = True   # families whose q / k / v are plain projections of the normed input
+    swiglu_alpha = 0.0  # the clamped SwiGLUs' form (_limit): 0 Step-3.5's, else gpt-oss's (M3)
     pipelines = True  # decode_stream: an extra token's KV row past st.pos is harmless
     rewinds = True    # resume_state may set pos back (the state is the KV cache alone)
     buffers_cls = Buffers       # run-state classes: engine/gpu_hybrid.py extends them
@@ -627,7 +636,7 @@ class GpuDecoder:
         if limit:
             gx.expert_mlp_limited(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0],
                                   b.h[0], b.act[:2 * c.top_k], b.x.reshape(-1), limit, cs,
-                                  after=True, accumulate=True)
+                                  after=True, accumulate=True, alpha=self.swiglu_alpha)
             return
         gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0], b.h[0],
                       b.act[:c.top_k], b.x.reshape(-1), cs, accumulate=True)
@@ -1088,7 +1097,8 @@ class GpuDecoder:
         (the down projection's input)."""
         self._linear(wg, h, g)
         self._linear(wu, h, u)
-        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), self.cs, limit, after=True)
+        gm.silu_mul(g.reshape(-1), u.reshape(-1), g.reshape(-1), self.cs, limit, after=True,
+                    alpha=self.swiglu_alpha)
         return g
 
     def _norm_router(self, l, b, t):
@@ -1194,7 +1204,7 @@ class GpuDecoder:
                     gx.clamped_swiglu(act, aid, bias, c.swiglu_alpha, c.swiglu_limit, s, lo, hi)
             elif limit:
                 def clamp(act, s, lo=lo, hi=hi):
-                    gx.limited_swiglu(act, limit, s, lo, hi, after=True)
+                    gx.limited_swiglu(act, limit, s, lo, hi, after=True, alpha=self.swiglu_alpha)
             gx.grouped_gate_up_down(self.fmt, self.views, self.lay, self.lay_h, gslot_d[g0:g1],
                                     dev.gstart[g0:g1 + 1], dev.order, dev.wts, b.h[:t], act,
                                     b.y[:a], cs, clamp=clamp)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from engine.gpu import GpuDecoder, pick_prefill_chunk, run_state_bytes  # noqa: F401
+from engine.gpu import GpuDecoder, as_f32, pick_prefill_chunk, run_state_bytes  # noqa: F401
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_sampling as gs
 
@@ -27,16 +27,8 @@ def _halved(a) -> np.ndarray:
     """a / 2, bf16 bits kept bf16 (exact: the exponent drops by one)."""
     a = np.asarray(a)
     if a.dtype == np.uint16:
-        f = (a.astype(np.uint32) << 16).view(np.float32) * np.float32(0.5)
-        return (f.view(np.uint32) >> 16).astype(np.uint16)
+        return ((as_f32(a) * np.float32(0.5)).view(np.uint32) >> 16).astype(np.uint16)
     return a * a.dtype.type(0.5)
-
-
-def _f32(a) -> np.ndarray:
-    a = np.asarray(a)
-    if a.dtype == np.uint16:   # bf16 bits
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32)
 
 
 def _averaged(c) -> bool:
@@ -53,7 +45,7 @@ class CohereWeights:
     def __call__(self, key: str, layer: int | None = None, *rest) -> np.ndarray:
         a = self.raw(key, layer, *rest)
         if key == "final_norm":
-            return _f32(a) * np.float32(self.c.logit_scale)
+            return as_f32(a) * np.float32(self.c.logit_scale)
         if key == "shared_down" and _averaged(self.c):
             return _halved(a)
         return a

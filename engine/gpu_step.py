@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 from numba import cuda
 
-from engine.gpu import Buffers, GpuDecoder, _partials
+from engine.gpu import Buffers, GpuDecoder, _partials, as_f32
 from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from engine.models.step3p5 import NORMS
@@ -36,13 +36,6 @@ def _widest(c):
     return dataclasses.replace(c, n_heads=max(c.layer_heads))
 
 
-def _f32(a) -> np.ndarray:
-    a = np.asarray(a)
-    if a.dtype == np.uint16:   # bf16 bits
-        return (np.ascontiguousarray(a).astype(np.uint32) << 16).view(np.float32)
-    return np.ascontiguousarray(a, dtype=np.float32)
-
-
 class StepWeights:
     """weight(key, layer) -> host array in the layout the CUDA decoder reads."""
 
@@ -51,7 +44,7 @@ class StepWeights:
 
     def __call__(self, key: str, layer: int | None = None, *rest) -> np.ndarray:
         if key in NORMS:
-            return np.float32(1.0) + _f32(self.raw(key, layer))
+            return np.float32(1.0) + as_f32(self.raw(key, layer))
         if key == "qkvg":
             return np.concatenate([np.asarray(self.raw(k, layer)) for k in PARTS])
         return self.raw(key, layer, *rest)

@@ -111,7 +111,8 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "glm4_moe_lite": "GpuMlaDecoder", "kimi_k25": "GpuMlaDecoder",
             "deepseek_v32": "GpuMlaDecoder", "glm_moe_dsa": "GpuMlaDecoder",
             "step3p5": "GpuStepDecoder", "step3p7": "GpuStepDecoder",   # tests/test_step3p5.py
-            "cohere2_moe": "GpuCohereDecoder"}   # tests/test_cohere2_moe.py
+            "cohere2_moe": "GpuCohereDecoder",   # tests/test_cohere2_moe.py
+            "minimax_m3_vl": "GpuM3Decoder"}     # tests/test_minimax_m3.py
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))

@@ -27,25 +27,31 @@ TEXT = dict(vocab_size=300, hidden_size=32, intermediate_size=16, dense_intermed
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def build(dst, dtype: str = "float32", **over):
+    """A random tiny MiniMaxM3SparseForConditionalGeneration (TEXT with overrides) saved into
+    dst in dtype; transformers on it in float32."""
     import torch
     import transformers as tf
-    d = tmp_path_factory.mktemp("minimax_m3")
     seed = int(np.random.default_rng().integers(1 << 31))
     print(f"minimax_m3 weights seed {seed}", flush=True)
     torch.manual_seed(seed)
-    model = tf.MiniMaxM3SparseForConditionalGeneration(tf.MiniMaxM3VLConfig(text_config=TEXT, vision_config=VISION))
+    model = tf.MiniMaxM3SparseForConditionalGeneration(tf.MiniMaxM3VLConfig(text_config={**TEXT, **over},
+                                                                              vision_config=VISION))
     widen_init(model)
     with torch.no_grad():
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)
-    model.eval().save_pretrained(d)
-    byte_level_tokenizer().save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    ref = tf.MiniMaxM3SparseForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-    return d, ref
+    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
+    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return tf.MiniMaxM3SparseForConditionalGeneration.from_pretrained(dst, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("minimax_m3")
+    return d, build(d)
 
 
 def test_logits_and_greedy_match_transformers(tiny, capfd):
@@ -101,3 +107,69 @@ def test_config_read(tiny):
 def test_config_refused(fields, says):
     with pytest.raises(ConfigError, match=says):
         family_of({"model_type": "minimax_m3_vl", "text_config": {**TEXT, **fields}})
+
+
+def test_cuda_context_capped(tiny, capsys):
+    """On cuda the sparse layers run dense attention, exact up to index_topk_blocks *
+    index_block_size positions: the context is capped there, a longer one refused."""
+    from engine.runtime import context_length
+    c = family_of(json.loads((tiny[0] / "config.json").read_text())).config
+    assert context_length(c, "cpu", None) == 256
+    assert context_length(c, "cuda", None) == 8
+    assert "context capped at index_topk_blocks * index_block_size=8" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--max-context 16: .*=8 .*at most 8"):
+        context_length(c, "cuda", 16)
+
+
+# the simulator's model: a dense layer with a full attention, a routed one with a sparse
+# attention (dense below the cap), clamps that bite
+SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=8, dense_intermediate_size=12,
+           shared_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+           head_dim=8, rotary_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.5},
+           num_local_experts=4, index_n_heads=1, index_head_dim=8, swiglu_limit=0.6,
+           layer_types=["full_attention", "minimax_m3_sparse"], mlp_layer_types=["dense", "sparse"],
+           max_position_embeddings=64)
+# the GPU tests' model: two sparse layers, cap 4 blocks of 16 keys
+GPU = dict(index_block_size=16, index_topk_blocks=4)
+
+
+def test_simulator_decoder(tmp_path):
+    """The eager CUDA decoder (engine/gpu_m3.py) under NUMBA_ENABLE_CUDASIM=1 against the CPU
+    backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    build(tmp_path, "bfloat16", **SIM)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
+    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_matches_transformers(tmp_path):
+    import torch
+    ref = build(tmp_path, "bfloat16", **GPU)
+    ids = np.random.default_rng().integers(0, 300, 40)
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+    g = engine.load(tmp_path, device="cuda")
+    assert rel_err(g.logits(ids), want) < 1e-4
+    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=24).output_ids, 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident", [True, False])
+def test_graph_replay_and_streaming(tmp_path, resident):
+    """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
+    resident or streamed under a tiny budget."""
+    from conftest import check_graph_replay_equals_eager
+    from engine.pack import pack
+    build(tmp_path / "src", **GPU, hidden_size=64, num_local_experts=16, num_experts_per_tok=4)
+    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
+    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
+                                    resident)

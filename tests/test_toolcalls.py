@@ -10,7 +10,6 @@ import json
 import numpy as np
 import pytest
 
-import engine
 from engine.runtime import Engine, GenerationParams
 from engine.serve import create_app
 from engine.toolcalls import ToolCallParser, call_format, param_types, parse_call, split_reply
