@@ -151,6 +151,14 @@ _M3 = {k: v.replace("model.", "language_model.model.", 1) if v.startswith("model
                     "idx_q_norm": "model.layers.{l}.self_attn.index_q_norm.weight",
                     "idx_k_norm": "model.layers.{l}.self_attn.index_k_norm.weight"}.items()}
 
+# Llama 4: the MLPs under feed_forward (router, a shared expert, the experts fused and
+# transposed: loader/checkpoint.py exposes them under the per-expert names below)
+_LLAMA4 = {**{k: v.replace(".mlp.", ".feed_forward.") for k, v in _LLAMA_LIKE.items()},
+           "router": "model.layers.{l}.feed_forward.router.weight",
+           "shared_gate": "model.layers.{l}.feed_forward.shared_expert.gate_proj.weight",
+           "shared_up": "model.layers.{l}.feed_forward.shared_expert.up_proj.weight",
+           "shared_down": "model.layers.{l}.feed_forward.shared_expert.down_proj.weight"}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -183,6 +191,9 @@ NAMES: dict[str, dict[str, str]] = {
     "step3p7": _STEP,
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
+    # Llama 4: the text-only folder, and the image-text wrapper's language model
+    "llama4_text": _LLAMA4,
+    "llama4": {k: "language_model." + v for k, v in _LLAMA4.items()},
     # ERNIE-4.5: the shared experts' names of DeepSeek-V3, its selection bias under moe_statics
     "ernie4_5_moe": {**_SIGMOID_MOE,
                      "router_bias": "model.layers.{l}.mlp.moe_statics.e_score_correction_bias"},

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from engine.models import (cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dots1, ernie4_5_moe, exaone_moe,
-                           glm4_moe, glm4_moe_lite, glm_moe_dsa, gpt_oss, kimi_k25, minimax_m2, minimax_m3, mixtral, olmoe,
+                           glm4_moe, glm4_moe_lite, glm_moe_dsa, gpt_oss, kimi_k25, llama4, minimax_m2, minimax_m3, mixtral, olmoe,
                            qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl_moe, step3p5)
 from engine.models.rope import ConfigError
 
@@ -35,10 +35,12 @@ FAMILIES = {
     "qwen3_5_moe": qwen3_5_moe,          # the image-text wrapper: its language model
     "qwen3_5_moe_text": qwen3_5_moe,     # a text-only Qwen3.5-MoE folder
     "gpt_oss": gpt_oss,
-    "cohere2_moe": cohere2_moe,          # Command A+ (CPU backend)
-    "minimax_m3_vl": minimax_m3,         # MiniMax-M3: the image-text wrapper's language model (CPU backend)
-    "step3p5": step3p5,                  # Step-3.5-Flash (CPU backend)
+    "cohere2_moe": cohere2_moe,          # Command A+
+    "minimax_m3_vl": minimax_m3,         # MiniMax-M3: the image-text wrapper's language model
+    "step3p5": step3p5,                  # Step-3.5-Flash
     "step3p7": step3p5,                  # Step-3.7-Flash: the image-text wrapper's language model
+    "llama4": llama4,                    # Llama 4: the image-text wrapper's language model (CPU backend)
+    "llama4_text": llama4,               # a text-only Llama 4 folder
 }
 
 # model types that are another family's architecture under their own name

@@ -60,7 +60,9 @@ class MoeConfig:
     sliding_window: int = 0         # 0 = full causal attention
     moe_layers: tuple = ()          # indices of layers with routed experts
     routing: str = "softmax"        # softmax | softmax_bias (ERNIE-4.5: softmax scores chosen with
-                                    #   a bias) | sigmoid (DeepSeek-V3 / GLM-4.5: sigmoid scores,
+                                    #   a bias) | sigmoid_input (Llama 4: the top-k logits' sigmoids
+                                    #   scale each expert's input, not its output)
+                                    #   | sigmoid (DeepSeek-V3 / GLM-4.5: sigmoid scores,
     n_group: int = 1                #   a selection bias, the best topk_group of n_group groups,
     topk_group: int = 1             #   weights times routed_scale)
     routed_scale: float = 1.0
@@ -341,10 +343,14 @@ class MoeDecoder:
             self.on_route(l, ids)
         uniq = np.unique(ids)
         out = ops.zeros(h.shape)
+        scaled = c.routing == "sigmoid_input"
         for e, we in zip(uniq, self.experts.fetch(l, uniq)):
             t_idx, k_idx = np.nonzero(ids == e)
-            y = self.routed_expert(l, int(e), ops.take_rows(h, t_idx), we)
-            ops.scatter_add_rows(out, t_idx, y, rw[t_idx, k_idx])
+            x, wts = ops.take_rows(h, t_idx), rw[t_idx, k_idx]
+            if scaled:   # Llama 4: the weight scales the expert's input, the output adds as is
+                x, wts = x * wts[:, None], np.ones_like(wts)
+            y = self.routed_expert(l, int(e), x, we)
+            ops.scatter_add_rows(out, t_idx, y, wts)
         if c.shared_intermediate:
             ops.add_(out, self.shared_expert(l, h))
         return out
@@ -356,6 +362,10 @@ class MoeDecoder:
         if c.routing == "sigmoid":
             return ops.router_sigmoid(logits, w("router_bias", l), c.top_k, c.n_group,
                                       c.topk_group, c.norm_topk_prob, c.routed_scale)
+        if c.routing == "sigmoid_input":   # Llama 4: the top-k logits, their sigmoids
+            ids = np.argsort(-logits, axis=-1, kind="stable")[:, :c.top_k].astype(np.int32)
+            z = np.take_along_axis(np.asarray(logits, np.float32), ids, -1)
+            return ids, (np.float32(1) / (np.float32(1) + np.exp(-z))).astype(np.float32)
         if c.routing == "softmax_bias":   # ERNIE-4.5: softmax scores chosen with a bias
             return ops.router_sigmoid(logits, w("router_bias", l), c.top_k, 1, 1,
                                       c.norm_topk_prob, 1.0, softmax=True)

@@ -1,4 +1,5 @@
-"""RoPE parameters from config.json and their inverse frequencies (default, linear, yarn)."""
+"""RoPE parameters from config.json and their inverse frequencies (default, linear, yarn,
+llama3)."""
 from __future__ import annotations
 
 import math
@@ -27,13 +28,15 @@ def declared_partial(cfg: dict) -> float | None:
 class RopeConfig:
     theta: float
     rotary_dim: int                 # dims of each head that rotate (partial rotary < head_dim)
-    kind: str = "default"           # default | linear | yarn
+    kind: str = "default"           # default | linear | yarn | llama3
     factor: float = 1.0
     original_max_position: int = 0  # yarn: the pretraining context
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float = 1.0   # yarn: scales cos and sin
     truncate: bool = True
+    low_freq_factor: float = 1.0    # llama3: wavelengths past original / low_freq_factor slowed
+    high_freq_factor: float = 4.0   #   by factor, under original / high_freq_factor kept, between blended
 
     @classmethod
     def from_hf(cls, cfg: dict, head_dim: int) -> "RopeConfig":
@@ -42,14 +45,21 @@ class RopeConfig:
         kind = params.get("rope_type", params.get("type", "default")) or "default"
         partial = declared_partial(cfg)
         partial = 1.0 if partial is None else partial
-        if kind not in ("default", "linear", "yarn"):
+        if kind not in ("default", "linear", "yarn", "llama3"):
             raise ConfigError(f"config.json: rope type {kind!r} is not supported; "
-                              "supported: default, linear, yarn")
+                              "supported: default, linear, yarn, llama3")
         factor = float(params.get("factor") or 1.0)
         orig = int(cfg.get("original_max_position_embeddings")
                    or params.get("original_max_position_embeddings")
                    or cfg.get("max_position_embeddings", 0))
         att = params.get("attention_factor")
+        if kind == "llama3":
+            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if params.get(key) is None:
+                    raise ConfigError(f"config.json: rope type llama3 without {key} in rope_parameters")
+            orig = int(params["original_max_position_embeddings"])
+            if float(params["high_freq_factor"]) <= float(params["low_freq_factor"]):
+                raise ConfigError("config.json: rope_parameters' high_freq_factor must exceed low_freq_factor")
         if kind == "yarn":
             if params.get("factor") is None:
                 factor = cfg["max_position_embeddings"] / orig
@@ -66,7 +76,9 @@ class RopeConfig:
                    beta_fast=float(params.get("beta_fast") or 32.0),
                    beta_slow=float(params.get("beta_slow") or 1.0),
                    attention_factor=float(att) if att is not None else 1.0,
-                   truncate=bool(params.get("truncate", True)))
+                   truncate=bool(params.get("truncate", True)),
+                   low_freq_factor=float(params.get("low_freq_factor") or 1.0),
+                   high_freq_factor=float(params.get("high_freq_factor") or 4.0))
 
     def inv_freq(self) -> np.ndarray:
         """float32 [rotary_dim / 2], computed in float32 as the reference does."""
@@ -75,6 +87,15 @@ class RopeConfig:
         inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
         if self.kind == "linear":
             return (inv / np.float32(self.factor)).astype(np.float32)
+        if self.kind == "llama3":   # in float32, as the reference computes it
+            f, lo, hi = np.float32(self.factor), np.float32(self.low_freq_factor), np.float32(self.high_freq_factor)
+            old = np.float32(self.original_max_position)
+            wavelen = np.float32(2 * math.pi) / inv
+            slow = np.where(wavelen > old / lo, inv / f, inv).astype(np.float32)
+            smooth = (old / wavelen - lo) / (hi - lo)
+            blended = ((1 - smooth) * slow / f + smooth * slow).astype(np.float32)
+            medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+            return np.where(medium, blended, slow).astype(np.float32)
         if self.kind == "yarn":
             def corr_dim(rot):
                 return (dim * math.log(self.original_max_position / (rot * 2 * math.pi))) / (
