@@ -59,9 +59,10 @@ def clamped(c) -> bool:
 
 def raw_act(c) -> bool:
     """The experts' act scratch holds the RAW gate and up sums, [2A, I]: gpt-oss's clamped
-    SwiGLU, or clamps without biases (GpuDecoder._limit: Step-3.5's limits, MiniMax-M3's
-    swiglu_limit)."""
-    return getattr(c, "swiglu_limit", None) is not None or any(getattr(c, "limits", ()))
+    SwiGLU, clamps without biases (GpuDecoder._limit: Step-3.5's limits, MiniMax-M3's
+    swiglu_limit), or Llama 4's routing weights on the experts' inputs (gx.scaled_swiglu)."""
+    return (getattr(c, "swiglu_limit", None) is not None or any(getattr(c, "limits", ()))
+            or c.routing == "sigmoid_input")
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
@@ -279,6 +280,12 @@ class GpuDecoder:
         self.ids_spec = cuda.device_array((1, c.top_k), np.int32)
         self.w_spec = cuda.device_array((1, c.top_k), np.float32)
         self.one = Buffers(c, 1, 1)   # placeholder until a state fixes S_max
+        # Llama 4: its routing chooses without a bias (router_sigmoid_topk's zero one), and the
+        # experts' down projections add with weight 1 (the weights went into their inputs)
+        scaled = c.routing == "sigmoid_input"
+        self.zero_bias = cuda.to_device(np.zeros(c.n_experts, np.float32)) if scaled else None
+        self.ones = cuda.to_device(np.ones(c.top_k, np.float32)) if scaled else None   # (graphs read it)
+        self.ones_a = self.ones   # a prefill chunk's assignments' (grows; graphs never read it)
         self.chunk = None
         self.state = None
         self.logits_d = None
@@ -631,6 +638,11 @@ class GpuDecoder:
                                   b.w[0], b.h[0], b.act[:2 * c.top_k], b.x.reshape(-1),
                                   self.w("expert_bias", l), c.swiglu_alpha, c.swiglu_limit, cs,
                                   accumulate=True)
+            return
+        if c.routing == "sigmoid_input":   # Llama 4: the weights scale the experts' inputs
+            gx.expert_mlp_scaled(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0],
+                                 self.ones, b.h[0], b.act[:2 * c.top_k], b.x.reshape(-1), cs,
+                                 accumulate=True)
             return
         limit = self._limit(l)
         if limit:
@@ -1121,6 +1133,8 @@ class GpuDecoder:
         if c.routing == "sigmoid":
             gs.router_sigmoid_topk(rl, self.w("router_bias", l), c.n_group, c.topk_group,
                                    c.norm_topk_prob, c.routed_scale, ids, w, self.cs, slots=slots)
+        elif c.routing == "sigmoid_input":   # Llama 4: the top-k logits, their sigmoids
+            gs.router_sigmoid_topk(rl, self.zero_bias, 1, 1, False, 1.0, ids, w, self.cs, slots=slots)
         elif c.routing == "softmax_bias":   # ERNIE-4.5 (its bias [1, E])
             gs.router_sigmoid_topk(rl, self.w("router_bias", l).reshape(c.n_experts), 1, 1,
                                    c.norm_topk_prob, 1.0, ids, w, self.cs, slots=slots, softmax=True)
@@ -1184,9 +1198,14 @@ class GpuDecoder:
         dev = _GroupArrays(gstart, order, wts, pos)
         gslot_d = cuda.to_device(gslot, stream=cs)
         a = t * c.top_k
-        act, clamp, limit = b.act[:a], None, self._limit(l)
-        if clamped(c) or limit:   # act [2A, I]: the RAW gate and up sums
+        act, clamp, limit, wts = b.act[:a], None, self._limit(l), dev.wts
+        scaled = c.routing == "sigmoid_input"
+        if clamped(c) or limit or scaled:   # act [2A, I]: the RAW gate and up sums
             act = b.act[:2 * a]
+        if scaled:   # Llama 4: the weights scale the sums, the down projections add with 1s
+            if self.ones_a.shape[0] < a:
+                self.ones_a = cuda.to_device(np.ones(a, np.float32))
+            wts = self.ones_a[:a]
         if clamped(c):   # gpt-oss: each assignment's expert picks its bias row
             aid = cuda.to_device(np.repeat(experts, np.diff(gstart)).astype(np.int32), stream=cs)
             bias = self.w("expert_bias", l)
@@ -1205,8 +1224,11 @@ class GpuDecoder:
             elif limit:
                 def clamp(act, s, lo=lo, hi=hi):
                     gx.limited_swiglu(act, limit, s, lo, hi, after=True, alpha=self.swiglu_alpha)
+            elif scaled:
+                def clamp(act, s, lo=lo, hi=hi):
+                    gx.scaled_swiglu(act, dev.wts, s, lo, hi)
             gx.grouped_gate_up_down(self.fmt, self.views, self.lay, self.lay_h, gslot_d[g0:g1],
-                                    dev.gstart[g0:g1 + 1], dev.order, dev.wts, b.h[:t], act,
+                                    dev.gstart[g0:g1 + 1], dev.order, wts, b.h[:t], act,
                                     b.y[:a], cs, clamp=clamp)
             evt = cuda.event()
             evt.record(cs)

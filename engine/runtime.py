@@ -255,7 +255,7 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
-                "minimax_m3_vl")
+                "minimax_m3_vl", "llama4", "llama4_text")
 
 
 def pick_device(device: str, family: str) -> str:
@@ -277,22 +277,25 @@ def pick_device(device: str, family: str) -> str:
 def context_length(c, device: str, max_context: int | None) -> int:
     """The run state's positions: max_context, or the config's up to 4096. On cuda, a DSA family
     (DeepSeek-V3.2, GLM-5) runs dense MLA, which is its sparse attention exactly while the context
-    is at most index_topk (every position is then picked), and MiniMax-M3 dense attention, its
-    sparse layers' exactly up to index_topk_blocks blocks of index_block_size keys: capped
-    there, or refused above it."""
+    is at most index_topk (every position is then picked), MiniMax-M3 dense attention, its
+    sparse layers' exactly up to index_topk_blocks blocks of index_block_size keys, and Llama 4
+    causal attention, its chunked layers' up to attention_chunk_size positions: capped there,
+    or refused above it."""
     n = int(max_context or min(c.max_position, 4096))
-    cap, what = getattr(c, "index_topk", 0), "index_topk"
+    cap, what, kind = getattr(c, "index_topk", 0), "index_topk", "sparse"
     if getattr(c, "sparse_layers", ()):
         cap, what = c.block_topk * c.block_size, "index_topk_blocks * index_block_size"
+    if getattr(c, "chunked_layers", ()):
+        cap, what, kind = c.chunk, "attention_chunk_size", "chunked"
     if device != "cuda":
         cap = 0
     if cap and n > cap:
         if max_context:
             raise ValueError(f"--max-context {max_context}: the cuda backend runs {c.family}'s "
-                             f"sparse attention as dense attention, exact up to {what}={cap} "
+                             f"{kind} attention as dense attention, exact up to {what}={cap} "
                              f"positions (config.json); expected at most {cap}, or --device cpu")
         print(f"{c.family} on cuda: context capped at {what}={cap} positions (dense "
-              "attention; --device cpu runs the sparse indexer past it)", file=sys.stderr)
+              f"attention; --device cpu runs the {kind} attention past it)", file=sys.stderr)
         n = cap
     return n
 
@@ -386,7 +389,7 @@ class Engine:
 
     def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route, speculate):
         """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py,
-        gpu_mla.py, gpu_step.py, gpu_cohere.py, gpu_m3.py)."""
+        gpu_mla.py, gpu_step.py, gpu_cohere.py, gpu_m3.py, gpu_llama4.py)."""
         from numba import cuda
 
         from engine.models.deepseek_v3 import DeepseekV3Config
@@ -425,6 +428,7 @@ class Engine:
             Decoder, kv = g.GpuMlaDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
         else:
             from engine.models.cohere2_moe import Cohere2MoeConfig
+            from engine.models.llama4 import Llama4Config
             from engine.models.minimax_m3 import MinimaxM3Config
             from engine.models.step3p5 import Step3p5Config
             if isinstance(c, Step3p5Config):   # Step-3.5's attention: engine/gpu_step.py
@@ -436,6 +440,9 @@ class Engine:
             elif isinstance(c, MinimaxM3Config):   # (1 + w) norms, clamped MLPs: engine/gpu_m3.py
                 from engine import gpu_m3 as g
                 Decoder = g.GpuM3Decoder
+            elif isinstance(c, Llama4Config):   # weightless q / k norms, NoPE temperature
+                from engine import gpu_llama4 as g
+                Decoder = g.GpuLlama4Decoder
             else:
                 from engine import gpu as g
                 Decoder = g.GpuDecoder

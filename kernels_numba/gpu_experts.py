@@ -1564,6 +1564,34 @@ def limited_swiglu(act, limit, stream, lo=0, hi=None, after=False, alpha=0.0):
             act, int32(lo), float32(limit), bool(after), float32(alpha))
 
 
+@pdl_kernel
+@cuda.jit
+def _scaled_swiglu(act, scale, lo):
+    """grid (cdiv(I, THREADS), rows); row a = lo + blockIdx.y."""
+    pdl_wait()
+    pdl_trigger()
+    A = act.shape[0] >> 1
+    I = act.shape[1]
+    a = lo + cuda.blockIdx.y
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if r < I:
+        s = scale[a]
+        g = act[a, r] * s
+        act[a, r] = g / (float32(1.0) + math.exp(-g)) * (act[A + a, r] * s)
+
+
+def scaled_swiglu(act, scale, stream, lo=0, hi=None):
+    """act float32 [2A, I] (RAW gate and up sums) -> act[a] = silu(s g) * (s u), s = scale[a]
+    (float32 [A]), for rows lo <= a < hi (default all): the SwiGLU of the input times s, as
+    Llama 4's routing weights scale its experts' inputs (the sums are linear in it)."""
+    a2, i = act.shape
+    hi = a2 // 2 if hi is None else hi
+    if a2 % 2 or scale.shape[0] < hi:
+        raise ValueError(f"scaled_swiglu: act {act.shape} must hold 2A rows, scale {scale.shape} a row's")
+    if hi > lo:
+        _scaled_swiglu[(cdiv(i, THREADS), hi - lo), THREADS, stream](act, scale, int32(lo))
+
+
 def expert_bias_add(out, ids, weights, bias, stream):
     """out float32 [T, H] += sum_k weights[t, k] * down_b of expert ids[t, k] (bias float32
     [E, 2I + H], the last H columns); ids int32, weights float32 [T, K]."""
@@ -2224,6 +2252,17 @@ def expert_mlp_clamped(fmt, views, lay, lay_host, slots, ids, weights, x, act, o
                 variant)
     expert_bias_add(out.reshape(1, out.shape[0]), ids.reshape(1, k), weights.reshape(1, k), bias,
                     stream)
+
+
+def expert_mlp_scaled(fmt, views, lay, lay_host, slots, weights, ones, x, act, out, stream,
+                      accumulate=False, variant=""):
+    """Experts whose routing weights scale their input, not their output (Llama 4) for one
+    token (expert_mlp's contract): RAW gate_up, scaled_swiglu by weights, down by ones (float32
+    [K] of 1); act float32 [2K, I] scratch; three launches, nothing allocated, no sync."""
+    k = slots.shape[0]
+    expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant, raw=True)
+    scaled_swiglu(act, weights, stream)
+    expert_down(fmt, views, lay, lay_host, slots, ones, act[:k], out, stream, accumulate, variant)
 
 
 def expert_mlp_limited(fmt, views, lay, lay_host, slots, weights, x, act, out, limit, stream,

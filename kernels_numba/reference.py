@@ -79,6 +79,13 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x64 * r * w.astype(np.float64)).astype(np.float32)
 
 
+def query_temperature(q: np.ndarray, pos: np.ndarray, floor_scale: float, attn_scale: float) -> np.ndarray:
+    """Llama 4's NoPE-layer queries: q [T, Hq, D] * (log1p(floor((pos + 1) / floor_scale)) *
+    attn_scale + 1), a scale a position."""
+    s = np.log1p(np.floor((pos.astype(np.float64) + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q.astype(np.float64) * s[:, None, None]).astype(np.float32)
+
+
 def layernorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x [..., N], w [N] -> (x - mean) / sqrt(var + eps) * w over the last axis (no bias)."""
     x64 = x.astype(np.float64)

@@ -255,6 +255,74 @@ def check_grouped_limited(fmt, h, i, k, t, n_exp, rng, form=LIMITED_FORMS[0]):
                   what=f"grouped limited {fmt} {form}")
 
 
+def _scaled_moe(x, ids, slot_of, wts, ws):
+    """The oracle of Llama 4's experts: each expert on its input times the routing weight."""
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for kk in range(ids.shape[1]):
+            out[t] += ref.swiglu_expert(x[t:t + 1] * wts[t, kk], *ws[slot_of[int(ids[t, kk])]])[0]
+    return out.astype(np.float32)
+
+
+def check_experts_scaled(fmt, h, i, k, n_exp, rng, variant=""):
+    """Llama 4's experts for one token (expert_mlp_scaled: RAW gate_up, scaled_swiglu, down by
+    ones) against the reference on the scaled input, accumulating into out."""
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = make_bank(fmt, h, i, n_exp, rng)
+    lh = lay.as_array()
+    slot_of = rng.permutation(n_exp).astype(np.int32)
+    ids = rng.choice(n_exp, size=k, replace=False).astype(np.int32)
+    w = (rng.random(k) * 2.0 + 0.1).astype(np.float32)   # scales that bend the SiLU
+    x = (rng.standard_normal(h) * 3.0).astype(np.float32)
+    base = rng.standard_normal(h).astype(np.float32)
+    out = cuda.to_device(base)
+    ge.expert_mlp_scaled(fmt, ge.bank_views(dbank), cuda.to_device(lh), lh, cuda.to_device(slot_of[ids]),
+                         cuda.to_device(w), cuda.to_device(np.ones(k, np.float32)), cuda.to_device(x),
+                         _nan((2 * k, i)), out, stream, accumulate=True, variant=variant)
+    stream.synchronize()
+    exp = _scaled_moe(x[None], ids[None], slot_of, w[None], ws)[0]
+    return _close(out.copy_to_host(), exp + base, what=f"expert_mlp_scaled {fmt} {variant}")
+
+
+def check_grouped_scaled(fmt, h, i, k, t, n_exp, rng):
+    """Llama 4's experts over t tokens: tiled grouped kernels in two batches of groups, the
+    assignments' weights scaling the RAW sums (scaled_swiglu), down by ones, then the combine."""
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = make_bank(fmt, h, i, n_exp, rng)
+    lh, dl = lay.as_array(), cuda.to_device(lay.as_array())
+    slot_of = rng.permutation(n_exp).astype(np.int32)
+    ids = np.argsort(-rng.standard_normal((t, n_exp)), axis=-1)[:, :k].astype(np.int32)
+    wts = (rng.random((t, k)) * 2.0 + 0.1).astype(np.float32)
+    gslot, gstart, order, aw, pos = ge.group_assignments(ids, wts, lambda e: slot_of[e])
+    x = (rng.standard_normal((t, h)) * 3.0).astype(np.float32)
+    a = t * k
+    act, y = _nan((2 * a, i)), _nan((a, h))
+    d = {n: cuda.to_device(v) for n, v in (("gslot", gslot), ("gstart", gstart), ("order", order),
+                                            ("aw", aw), ("ones", np.ones(a, np.float32)))}
+    half = len(np.unique(ids)) // 2
+    for g0, g1 in ((0, half), (half, len(np.unique(ids)))):
+        ge.grouped_gate_up_down(fmt, ge.bank_views(dbank), dl, lh, d["gslot"][g0:g1], d["gstart"][g0:g1 + 1],
+                                d["order"], d["ones"], cuda.to_device(x), act, y, stream,
+                                clamp=lambda a, s, lo=int(gstart[g0]), hi=int(gstart[g1]):
+                                ge.scaled_swiglu(a, d["aw"], s, lo, hi))
+    out = cuda.to_device(np.zeros((t, h), np.float32))
+    ge.combine(y, cuda.to_device(pos), out, stream)
+    stream.synchronize()
+    return _close(out.copy_to_host(), _scaled_moe(x, ids, slot_of, wts, ws), what=f"grouped scaled {fmt}")
+
+
+def check_query_temperature(rng, t=5, nh=3, d=8):
+    from kernels_numba import gpu_misc as gm
+    q = rng.standard_normal((t, nh, d)).astype(np.float32)
+    pos = np.sort(rng.choice(40, size=t, replace=False)).astype(np.int32)
+    dq = cuda.to_device(q)
+    gm.query_temperature(dq, cuda.to_device(pos), 4.0, 0.3, cuda.stream())
+    cuda.synchronize()
+    _close(dq.copy_to_host(), ref.query_temperature(q, pos, 4.0, 0.3), what="query temperature")
+
+
 def check_silu_mul_limited(rng, n=37):
     """gm.silu_mul with a limit, both clamp placements and gpt-oss's form, against
     limited_expert's activation."""
@@ -783,6 +851,11 @@ def _sim_checks_a(rng, t0) -> None:
         check_grouped_limited(fmt, h, i, 2, 7, 5, rng, form=form)
     check_silu_mul_limited(rng)
     print(f"ok experts limited {time.time() - t0:.0f}s", flush=True)
+    # Llama 4: the same RAW sums, scaled by the routing weights before the SwiGLU
+    check_experts_scaled("nvfp4", 44, 22, 2, 5, rng)
+    check_grouped_scaled("bf16", 36, 20, 2, 7, 5, rng)
+    check_query_temperature(rng)
+    print(f"ok experts scaled {time.time() - t0:.0f}s", flush=True)
 
 
 def _sim_checks_b(rng, t0) -> None:
@@ -906,6 +979,19 @@ def test_experts_limited_gpu(fmt):
         check_experts_limited(fmt, 4096, 1280, 8, 32, rng, form=form)
         check_grouped_limited(fmt, 4096, 1280, 8, 256, 32, rng, form=form)
     check_silu_mul_limited(rng, 5000)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_experts_scaled_gpu(fmt):
+    """Llama-4-Scout's experts (5120 x 8192, top-1 of 16; a top-2 case) with the routing weight
+    on the input: decode in the format's RAW variant, prefill in the tiled kernels (256 tokens)."""
+    rng = np.random.default_rng()
+    for k in (1, 2):
+        check_experts_scaled(fmt, 5120, 8192, k, 16, rng)
+    check_grouped_scaled(fmt, 5120, 8192, 1, 256, 16, rng)
+    check_query_temperature(rng, 7, 40, 128)
 
 
 @pytest.mark.gpu

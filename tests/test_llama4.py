@@ -132,3 +132,62 @@ def test_llama3_inv_freq():
 def test_config_refused(fields, says):
     with pytest.raises(ConfigError, match=says):
         family_of({"model_type": "llama4_text", **TEXT, **fields})
+
+
+def test_cuda_context_capped(tiny, capsys):
+    """On cuda a chunked layer runs causal attention, the same up to attention_chunk_size
+    positions: the context is capped there, a longer one refused."""
+    from engine.runtime import context_length
+    c = family_of(json.loads((tiny[0] / "config.json").read_text())).config
+    assert context_length(c, "cpu", None) == 256 and context_length(c, "cuda", None) == 4
+    assert "context capped at attention_chunk_size=4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--max-context 16: .*chunked attention .*at most 4"):
+        context_length(c, "cuda", 16)
+
+
+# the simulator's model: a RoPE layer (chunks of 8: the state's 8 positions) with a dense MLP,
+# a NoPE layer whose temperature changes at every position, top-2 of 4 experts
+SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=8, intermediate_size_mlp=12, num_hidden_layers=2,
+           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+           attention_chunk_size=8, floor_scale=1, max_position_embeddings=64)
+# the GPU tests' model: chunks of 64 (the tests' 40 positions fit)
+GPU = dict(attention_chunk_size=64, max_position_embeddings=64)
+
+
+def test_simulator_decoder(tmp_path):
+    """The eager CUDA decoder (engine/gpu_llama4.py) under NUMBA_ENABLE_CUDASIM=1 against the
+    CPU backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    build(tmp_path, "bfloat16", **SIM)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
+    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("text_only", [False, True])
+def test_cuda_matches_transformers(tmp_path, text_only):
+    ref = build(tmp_path, "bfloat16", text_only, **GPU, **(TEXT_ONLY if text_only else {}))
+    ids = np.random.default_rng().integers(0, 300, 40)
+    g = engine.load(tmp_path, device="cuda")
+    assert rel_err(g.logits(ids), _logits(ref, ids)) < 1e-4
+    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=24).output_ids, 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident", [True, False])
+def test_graph_replay_and_streaming(tmp_path, resident):
+    """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
+    resident or streamed under a tiny budget."""
+    from conftest import check_graph_replay_equals_eager
+    from engine.pack import pack
+    build(tmp_path / "src", **GPU, hidden_size=64, num_local_experts=16)
+    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
+    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
+                                    resident)
