@@ -29,7 +29,7 @@ from loader.st_write import write_safetensors
 MANIFEST = "manifest.json"
 DENSE = "dense.safetensors"
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "chat_template.jinja", "special_tokens_map.json", "tiktoken.model")
+              "chat_template.jinja", "chat_template.json", "special_tokens_map.json", "tiktoken.model")
 FORMAT_VERSION = 1
 
 

@@ -132,6 +132,9 @@ def test_template_sources_in_order(tmp_path):
     (d / "chat_template.json").write_text(json.dumps({"chat_template": "json:{{ messages[0].content }}"}))
     hi = [{"role": "user", "content": "hi"}]
     assert load_tokenizer(d, tok).apply_chat_template(hi) == "json:hi"
+    from engine.pack import pack   # a packed folder keeps it
+    pack(d, tmp_path / "p", "bf16", progress=False)
+    assert load_tokenizer(tmp_path / "p", tmp_path / "p" / "tokenizer.json").apply_chat_template(hi) == "json:hi"
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "cfg:{{ 1 }}"}))
     assert load_tokenizer(d, tok).apply_chat_template(hi) == "cfg:1"

@@ -114,9 +114,10 @@ def test_llama3_inv_freq():
     import transformers as tf
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from engine.models.rope import RopeConfig
-    for theta, orig, factor in ((10000.0, 16, 8.0), (500000.0, 8192, 16.0)):
+    # (the last: Llama-4-Scout's, no band between the kept and the slowed wavelengths)
+    for theta, orig, factor, high in ((10000.0, 16, 8.0, 4.0), (500000.0, 8192, 16.0, 4.0), (500000.0, 8192, 16.0, 1.0)):
         params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": orig}
+                  "high_freq_factor": high, "original_max_position_embeddings": orig}
         cfg = tf.Llama4TextConfig(**{**TEXT, "head_dim": 128, "rope_parameters": params})
         want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, torch.device("cpu"))
         got = RopeConfig.from_hf({"rope_parameters": params}, 128).inv_freq()

@@ -58,8 +58,8 @@ class RopeConfig:
                 if params.get(key) is None:
                     raise ConfigError(f"config.json: rope type llama3 without {key} in rope_parameters")
             orig = int(params["original_max_position_embeddings"])
-            if float(params["high_freq_factor"]) <= float(params["low_freq_factor"]):
-                raise ConfigError("config.json: rope_parameters' high_freq_factor must exceed low_freq_factor")
+            if float(params["high_freq_factor"]) < float(params["low_freq_factor"]):
+                raise ConfigError("config.json: rope_parameters' high_freq_factor must be at least low_freq_factor")
         if kind == "yarn":
             if params.get("factor") is None:
                 factor = cfg["max_position_embeddings"] / orig
@@ -92,8 +92,9 @@ class RopeConfig:
             old = np.float32(self.original_max_position)
             wavelen = np.float32(2 * math.pi) / inv
             slow = np.where(wavelen > old / lo, inv / f, inv).astype(np.float32)
-            smooth = (old / wavelen - lo) / (hi - lo)
-            blended = ((1 - smooth) * slow / f + smooth * slow).astype(np.float32)
+            with np.errstate(divide="ignore", invalid="ignore"):   # hi == lo (Scout's): no band
+                smooth = (old / wavelen - lo) / (hi - lo)
+                blended = ((1 - smooth) * slow / f + smooth * slow).astype(np.float32)
             medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
             return np.where(medium, blended, slow).astype(np.float32)
         if self.kind == "yarn":
