@@ -1072,6 +1072,10 @@ class GpuDecoder:
         else:
             gd.rope(q3, pos, freq, cs, scale)
             gd.rope(k3, pos, freq, cs, scale)
+            if c.qk_norm == "head_after_rope":   # Hunyuan: the rotated rows normed a head
+                for a, key in ((q3, "q_norm"), (k3, "k_norm")):
+                    a2 = a.reshape(-1, c.head_dim)
+                    gd.rmsnorm(a2, self.w(key, l), c.rms_eps, a2, cs)
             gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
         oss = clamped(c)

@@ -159,6 +159,16 @@ _LLAMA4 = {**{k: v.replace(".mlp.", ".feed_forward.") for k, v in _LLAMA_LIKE.it
            "shared_up": "model.layers.{l}.feed_forward.shared_expert.up_proj.weight",
            "shared_down": "model.layers.{l}.feed_forward.shared_expert.down_proj.weight"}
 
+# Hunyuan-A13B: q / k norms named query_layernorm / key_layernorm, the router under mlp.gate.wg,
+# the shared expert as shared_mlp
+_HUNYUAN = {**_LLAMA_LIKE,
+            "q_norm": "model.layers.{l}.self_attn.query_layernorm.weight",
+            "k_norm": "model.layers.{l}.self_attn.key_layernorm.weight",
+            "router": "model.layers.{l}.mlp.gate.wg.weight",
+            "shared_gate": "model.layers.{l}.mlp.shared_mlp.gate_proj.weight",
+            "shared_up": "model.layers.{l}.mlp.shared_mlp.up_proj.weight",
+            "shared_down": "model.layers.{l}.mlp.shared_mlp.down_proj.weight"}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -191,6 +201,8 @@ NAMES: dict[str, dict[str, str]] = {
     "step3p7": _STEP,
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
+    "solar_open": _SIGMOID_MOE,
+    "hunyuan_v1_moe": _HUNYUAN,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,
     "llama4": {k: "language_model." + v for k, v in _LLAMA4.items()},

@@ -564,6 +564,8 @@ class Checkpoint:
         cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) \
             else self.config
         h, i = cfg.get("hidden_size"), cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
+        if isinstance(i, list):   # one a layer (Hunyuan's): a single width only where all agree
+            i = i[0] if i and all(x == i[0] for x in i) else None
         return (int(h), int(i)) if h and i else None
 
     def _split_fused_experts(self) -> None:

@@ -133,6 +133,16 @@ def hf_config(family: str, **over):
                   num_hidden_layers=3, sliding_window=3, swiglu_limit=1.0,
                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
         cls = tf.GptOssConfig
+    elif family == "solar_open":
+        # q_dim 64 beside a 48 hidden (head_dim 16 of 4 heads), sigmoid routing in groups
+        kw.update(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                  n_group=2, topk_group=1, routed_scaling_factor=1.5)
+        cls = tf.SolarOpenConfig
+    elif family == "hunyuan_v1_moe":
+        # the release's fixed-alpha NTK RoPE; q / k normed after RoPE
+        kw.update(intermediate_size=32, num_experts=4, moe_topk=2,
+                  rope_parameters={"type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})
+        cls = tf.HunYuanMoEV1Config
     elif family == "olmoe":
         kw.update(intermediate_size=32, num_experts=4, num_experts_per_tok=2)
         kw.pop("head_dim")
@@ -177,7 +187,8 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
            "deepseek_v2": tf.DeepseekV2ForCausalLM, "deepseek_v32": tf.DeepseekV32ForCausalLM,
            "glm_moe_dsa": tf.GlmMoeDsaForCausalLM, "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
            "minimax_m2": tf.MiniMaxM2ForCausalLM, "ernie4_5_moe": tf.Ernie4_5_MoeForCausalLM,
-           "exaone_moe": tf.ExaoneMoeForCausalLM}[family]
+           "exaone_moe": tf.ExaoneMoeForCausalLM, "solar_open": tf.SolarOpenForCausalLM,
+           "hunyuan_v1_moe": tf.HunYuanMoEV1ForCausalLM}[family]
     model = cls(cfg)
     widen_init(model)
     with torch.no_grad():   # a buffer, not a parameter: a selection bias that matters

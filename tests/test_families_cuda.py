@@ -8,7 +8,8 @@ deepseek_v32 / glm_moe_dsa (the same, the context capped at index_topk: engine/r
 context_length),
 minimax_m2 (q/k norms over all heads, partial RoPE, sigmoid routing over all experts),
 ernie4_5_moe (interleaved RoPE pairs, softmax routing chosen with a bias), exaone_moe (sliding
-layers with RoPE, full ones without: engine/gpu.py no_freq).
+layers with RoPE, full ones without: engine/gpu.py no_freq), hunyuan_v1_moe (q / k normed after
+RoPE), solar_open (glm4_moe's MoE, q_dim beside a smaller hidden).
 - CPU-only CI: test_simulator_decoder() runs this file as a script in a subprocess with
   NUMBA_ENABLE_CUDASIM=1: the eager decoder against the CPU backend on a tiny model.
 - A GPU (marker gpu): cuda = cpu = transformers, graph replay = eager, streamed under tiny
@@ -106,6 +107,9 @@ SIM_CASES = {
     # with a bias ([1, E]), a shared expert, layer 0 dense
     "ernie4_5_moe": dict(TINY, moe_num_experts=4, moe_num_shared_experts=1, moe_layer_start_index=1,
                          tie_word_embeddings=False),
+    # Hunyuan-A13B: q / k normed a head after RoPE (rope, norms, store: three launches), the
+    # fixed-alpha base
+    "hunyuan_v1_moe": dict(TINY, head_dim=8, num_experts=4, moe_topk=2),
 }
 DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "glm4_moe_lite": "GpuMlaDecoder", "kimi_k25": "GpuMlaDecoder",
@@ -161,6 +165,9 @@ def test_simulator_decoder(tmp_path, family):
     ("minimax_m2", {}),
     ("minimax_m2", dict(hidden_size=64, num_local_experts=16, num_experts_per_tok=4, head_dim=32,
                         rotary_dim=16)),
+    ("solar_open", {}),
+    ("hunyuan_v1_moe", {}),
+    ("hunyuan_v1_moe", dict(hidden_size=64, num_experts=16, moe_topk=4, tie_word_embeddings=True)),
 ])
 def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
     import torch
@@ -181,7 +188,7 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
 @pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "minimax_m2",
-                                    "exaone_moe"])
+                                    "exaone_moe", "hunyuan_v1_moe", "solar_open"])
 def test_graph_replay_and_streaming(tmp_path, family, resident):
     """Graph replay = eager = the CPU backend, resident (one graph a token, the router's slot
     path) or streamed (per-layer segments, the shared expert's own, the host resolve)."""
@@ -189,6 +196,8 @@ def test_graph_replay_and_streaming(tmp_path, family, resident):
     over = {"glm4_moe": dict(n_routed_experts=16, n_group=4, topk_group=2),
             "deepseek_v3": dict(n_routed_experts=16, n_group=4, topk_group=2),
             "exaone_moe": dict(num_experts=16, n_group=4, topk_group=2),
+            "solar_open": dict(n_routed_experts=16, n_group=4, topk_group=2),
+            "hunyuan_v1_moe": dict(num_experts=16, moe_topk=4),
             "gpt_oss": dict(num_local_experts=16),
             "minimax_m2": dict(num_local_experts=16)}.get(family, dict(num_experts=16))
     build_hf_model(tmp_path / "src", family, num_experts_per_tok=4, num_hidden_layers=3,

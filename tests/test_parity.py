@@ -62,6 +62,12 @@ CASES = [
                           moe_k=3, num_key_value_heads=1, tie_word_embeddings=True)),
     ("olmoe", {}),
     ("olmoe", dict(norm_topk_prob=True, clip_qkv=0.5, num_key_value_heads=4)),
+    ("solar_open", {}),
+    ("solar_open", dict(n_group=1, topk_group=1, n_shared_experts=2, norm_topk_prob=False, num_key_value_heads=1,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
+                                         "original_max_position_embeddings": 64})),
+    ("hunyuan_v1_moe", {}),
+    ("hunyuan_v1_moe", dict(moe_topk=1, tie_word_embeddings=True, num_key_value_heads=4)),
     ("gpt_oss", {}),
     ("gpt_oss", dict(num_experts_per_tok=3, num_key_value_heads=4, sliding_window=5,
                      swiglu_limit=0.5, swiglu_alpha=1.2,
@@ -138,6 +144,16 @@ RELEASED = {
     # GLM-4.7-Flash: first_k_dense_replace and no mlp_layer_types, one MTP layer
     "glm4_moe_lite": dict(first_k_dense_replace=1, partial_rotary_factor=1.0, topk_method="noaux_tc",
                           num_nextn_predict_layers=1, rope_theta=1e6),
+    # Hunyuan-A13B: per-layer lists (uniform), its switches, rope_scaling with alpha and YaRN's unread fields
+    "hunyuan_v1_moe": dict(moe_topk=[2, 2], num_experts=4, moe_intermediate_size=[32, 32], num_shared_expert=[1, 1],
+                           use_qk_norm=True, use_mixed_mlp_moe=True, use_cla=False, cla_share_factor=1,
+                           attention_head_dim=16, rope_theta=10000.0,
+                           rope_scaling={"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0, "type": "dynamic"}),
+    # Solar-Open-100B: the fields its reference deletes, a yarn rope_scaling at the top
+    "solar_open": dict(first_k_dense_replace=1, intermediate_size=64, use_qk_norm=True, num_mtp_layers=0,
+                       partial_rotary_factor=1.0, rope_theta=1e6,
+                       rope_scaling={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}),
 }
 
 

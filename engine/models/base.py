@@ -55,6 +55,7 @@ class MoeConfig:
     max_position: int
     dense_intermediate: int = 0     # I of dense MLP layers (layers not in moe_layers)
     qk_norm: str = "none"           # none | head (RMSNorm per head, D) | full (over all heads)
+                                    #   | head_after_rope (per head, on the rotated rows: Hunyuan)
     clip_qkv: float = 0.0           # clamp q, k, v to +-clip_qkv after projection (0 = off)
     attention_bias: bool = False
     sliding_window: int = 0         # 0 = full causal attention
@@ -135,7 +136,7 @@ def dense_spec(c: MoeConfig) -> dict[str, tuple]:
             spec[name(f, "q_bias", l)] = (c.q_dim,)
             spec[name(f, "k_bias", l)] = (c.kv_dim,)
             spec[name(f, "v_bias", l)] = (c.kv_dim,)
-        if c.qk_norm == "head":
+        if c.qk_norm in ("head", "head_after_rope"):
             spec[name(f, "q_norm", l)] = (c.head_dim,)
             spec[name(f, "k_norm", l)] = (c.head_dim,)
         elif c.qk_norm == "full":
@@ -318,6 +319,8 @@ class MoeDecoder:
         if l not in c.nope_layers:
             ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
             ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
+        if c.qk_norm == "head_after_rope":
+            q, k = ops.rmsnorm(q, w("q_norm", l), c.rms_eps), ops.rmsnorm(k, w("k_norm", l), c.rms_eps)
         ops.kv_store(st.k[l], st.v[l], int(pos[0]), k, v, self.kv_bf16)
         a = ops.attention(q, st.k[l], st.v[l], pos, c.head_dim ** -0.5, self.window(l),
                           self.sinks(l))

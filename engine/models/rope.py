@@ -1,5 +1,5 @@
 """RoPE parameters from config.json and their inverse frequencies (default, linear, yarn,
-llama3)."""
+llama3; dynamic NTK with a fixed alpha as the default kind with its stretched base)."""
 from __future__ import annotations
 
 import math
@@ -43,11 +43,14 @@ class RopeConfig:
         params = rope_params(cfg)
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind == "dynamic" and params.get("alpha"):   # Hunyuan: a fixed NTK stretch of the base
+            kind, alpha = "default", float(params["alpha"])
+            theta = theta * alpha ** (head_dim / (head_dim - 2))
         partial = declared_partial(cfg)
         partial = 1.0 if partial is None else partial
         if kind not in ("default", "linear", "yarn", "llama3"):
             raise ConfigError(f"config.json: rope type {kind!r} is not supported; "
-                              "supported: default, linear, yarn, llama3")
+                              "supported: default, linear, yarn, llama3, dynamic with a fixed alpha")
         factor = float(params.get("factor") or 1.0)
         orig = int(cfg.get("original_max_position_embeddings")
                    or params.get("original_max_position_embeddings")
