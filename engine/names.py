@@ -169,6 +169,10 @@ _HUNYUAN = {**_LLAMA_LIKE,
             "shared_up": "model.layers.{l}.mlp.shared_mlp.up_proj.weight",
             "shared_down": "model.layers.{l}.mlp.shared_mlp.down_proj.weight"}
 
+# MiMo-V2-Flash: DeepSeek-V3's router names, no shared experts, the sliding layers' sinks
+_MIMO = {**_LLAMA_LIKE, "router_bias": "model.layers.{l}.mlp.gate.e_score_correction_bias",
+         "sinks": "model.layers.{l}.self_attn.attention_sink_bias"}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -202,6 +206,7 @@ NAMES: dict[str, dict[str, str]] = {
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
     "solar_open": _SIGMOID_MOE,
+    "mimo_v2_flash": _MIMO,
     "hunyuan_v1_moe": _HUNYUAN,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,

@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 from engine.models import (cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dots1,
                            ernie4_5_moe, exaone_moe, glm4_moe, glm4_moe_lite, glm_moe_dsa, gpt_oss,
-                           hunyuan_v1_moe, kimi_k25, llama4, minimax_m2, minimax_m3, mixtral, olmoe,
+                           hunyuan_v1_moe, kimi_k25, llama4, mimo_v2_flash, minimax_m2, minimax_m3, mixtral,
+                           olmoe,
                            qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open,
                            step3p5)
 from engine.models.rope import ConfigError
@@ -45,6 +46,7 @@ FAMILIES = {
     "llama4_text": llama4,               # a text-only Llama 4 folder
     "solar_open": solar_open,            # Solar-Open-100B: DeepSeek-V3's MoE beside llama attention
     "hunyuan_v1_moe": hunyuan_v1_moe,    # Hunyuan-A13B: q / k norms after RoPE
+    "mimo_v2_flash": mimo_v2_flash,      # MiMo-V2-Flash: sliding layers with sinks, V heads narrower than K
 }
 
 # model types that are another family's architecture under their own name

@@ -1,0 +1,131 @@
+"""MiMo-V2-Flash (engine/models/mimo_v2_flash.py) on the CPU backend against transformers on
+tiny random models: 7 layers (full attention at 0 and 5, sliding windows of 5 with sinks and
+twice the KV heads elsewhere), q / k heads of 12 and v heads of 8, the values scaled, each layer
+kind its RoPE over a third of a head, DeepSeek-V3's routing without shared experts, a dense
+first layer. The release's config.json spellings (hybrid_layer_pattern, sliding_window_size...)
+read as the reference reads its own fields."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import engine
+from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from engine.models import family_of
+from engine.models.rope import ConfigError
+
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=7,
+            num_attention_heads=4, num_key_value_heads=1, head_dim=12, v_head_dim=8, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5, sliding_window=5,
+            max_position_embeddings=256)
+# the release's config.json: its spellings, the reference's defaults where it ignores them
+RELEASED = dict(hybrid_layer_pattern=[0, 1, 1, 1, 1, 0, 1], moe_layer_freq=[0, 1, 1, 1, 1, 1, 1],
+                sliding_window_size=4, swa_num_key_value_heads=2, rope_theta=5_000_000.0, swa_rope_theta=10_000.0,
+                partial_rotary_factor=0.334, layernorm_epsilon=1e-5, routed_scaling_factor=None,
+                add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False)
+
+
+def build(dst, dtype: str = "float32", **over):
+    """A random tiny MiMoV2FlashForCausalLM (TINY with overrides, sinks and selection biases
+    that matter) saved into dst in dtype; transformers on it in float32."""
+    import torch
+    import transformers as tf
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"mimo_v2_flash weights seed {seed}", flush=True)
+    torch.manual_seed(seed)
+    model = tf.MiMoV2FlashForCausalLM(tf.MiMoV2FlashConfig(**{**TINY, **over}))
+    widen_init(model)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
+        for n, p in model.named_parameters():
+            if n.endswith(".sinks"):
+                p.normal_(0.0, 1.0)
+    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
+    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return tf.MiMoV2FlashForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mimo")
+    return d, build(d)
+
+
+def _logits(ref, ids):
+    import torch
+    with torch.no_grad():
+        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+
+
+def test_logits_and_greedy_match_transformers(tiny):
+    d, ref = tiny
+    ids = np.random.default_rng().integers(0, 300, 17)
+    m = engine.load(d, device="cpu")
+    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
+    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+
+
+def test_full_layers_kv_heads_repeated(tmp_path):
+    """Two KV heads in full layers, four in sliding ones: each full-layer head serves its four
+    query heads after the repeat (a tiled order would not)."""
+    ref = build(tmp_path, num_attention_heads=8, num_key_value_heads=2, attention_value_scale=None)
+    ids = np.random.default_rng().integers(0, 300, 12)
+    assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), _logits(ref, ids)) < 1e-4
+
+
+def test_released_config_fields(tiny, tmp_path):
+    import shutil
+    d, ref = tiny
+    shutil.copytree(d, tmp_path / "r")
+    p = tmp_path / "r" / "config.json"
+    cfg = json.loads(p.read_text())
+    for k in ("layer_types", "mlp_layer_types", "rope_parameters", "sliding_window", "rms_norm_eps"):
+        cfg.pop(k, None)
+    p.write_text(json.dumps({**cfg, **RELEASED, "routed_scaling_factor": 1.5}))
+    ids = np.random.default_rng().integers(0, 300, 12)
+    assert rel_err(engine.load(tmp_path / "r", device="cpu").logits(ids), _logits(ref, ids)) < 1e-4
+
+
+def test_prefill_equals_token_by_token(tiny):
+    m = engine.load(tiny[0], device="cpu").model
+    ids = np.random.default_rng().integers(0, 300, 15)
+    whole = m.forward(ids, m.new_state(32), all_logits=True)
+    st = m.new_state(32)
+    parts = [m.forward(ids[:3], st, all_logits=True)] + [m.forward(ids[i:i + 1], st) for i in range(3, 15)]
+    assert rel_err(np.concatenate(parts), whole) < 1e-5
+
+
+def test_state_resumes_and_packed(tiny, tmp_path):
+    """The prefix cache resumes; a bf16 checkpoint packed with bf16 experts gives its logits (the
+    same bits in the arena: routing cannot flip)."""
+    from engine.pack import pack
+    check_state_resumes(tiny[0], np.random.default_rng().integers(0, 300, 12))
+    ids = np.random.default_rng().integers(0, 300, 16)
+    build(tmp_path / "src", "bfloat16")
+    pack(tmp_path / "src", tmp_path / "p", "bf16", progress=False)
+    want = engine.load(tmp_path / "src", device="cpu").logits(ids)
+    assert rel_err(engine.load(tmp_path / "p", device="cpu").logits(ids), want) < 1e-5
+
+
+def test_config_read(tiny):
+    c = family_of(json.loads((tiny[0] / "config.json").read_text())).config
+    assert c.n_kv_heads == 2 and c.full_kv_heads == 1 and (c.head_dim, c.v_head_dim) == (12, 8)
+    assert c.sink_layers == (1, 2, 3, 4, 6) and c.layer_windows == (0, 5, 5, 5, 5, 0, 5)
+    assert c.moe_layers == tuple(range(1, 7)) and c.shared_intermediate == 0 and c.routed_scale == 1.5
+    assert [r.theta for r in c.layer_ropes[:2]] == [5e6, 1e4] and c.layer_ropes[0].rotary_dim == 4
+
+
+@pytest.mark.parametrize("fields,says", [
+    (dict(swa_num_key_value_heads=3), "swa_num_key_value_heads=3"),
+    (dict(v_head_dim=16), "v_head_dim=16 exceeds head_dim=12"),
+    (dict(layer_types=["full_attention"] * 3), "layer_types must give each of the 7 layers"),
+    (dict(add_full_attention_sink_bias=True), "add_full_attention_sink_bias"),
+])
+def test_config_refused(fields, says):
+    with pytest.raises(ConfigError, match=says):
+        family_of({"model_type": "mimo_v2_flash", **TINY, **fields})
