@@ -197,6 +197,10 @@ def _dense_keys(c):
     if isinstance(c, Step3p5Config):   # Step-3.5's attention: engine/gpu_step.py
         from engine.gpu_step import dense_keys
         return dense_keys(c)
+    from engine.models.mimo_v2_flash import MimoV2FlashConfig
+    if isinstance(c, MimoV2FlashConfig):   # sinks in the sliding layers: engine/gpu_mimo.py
+        from engine.gpu_mimo import dense_keys
+        return dense_keys(c)
     keys = [("embed", None), ("final_norm", None)]
     if not c.tie_embeddings:
         keys.append(("lm_head", None))
@@ -255,7 +259,8 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
-                "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe")
+                "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
+                "mimo_v2_flash")
 
 
 def pick_device(device: str, family: str) -> str:
@@ -389,7 +394,7 @@ class Engine:
 
     def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route, speculate):
         """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py,
-        gpu_mla.py, gpu_step.py, gpu_cohere.py, gpu_m3.py, gpu_llama4.py)."""
+        gpu_mla.py, gpu_step.py, gpu_cohere.py, gpu_m3.py, gpu_llama4.py, gpu_mimo.py)."""
         from numba import cuda
 
         from engine.models.deepseek_v3 import DeepseekV3Config
@@ -429,6 +434,7 @@ class Engine:
         else:
             from engine.models.cohere2_moe import Cohere2MoeConfig
             from engine.models.llama4 import Llama4Config
+            from engine.models.mimo_v2_flash import MimoV2FlashConfig
             from engine.models.minimax_m3 import MinimaxM3Config
             from engine.models.step3p5 import Step3p5Config
             if isinstance(c, Step3p5Config):   # Step-3.5's attention: engine/gpu_step.py
@@ -443,6 +449,9 @@ class Engine:
             elif isinstance(c, Llama4Config):   # weightless q / k norms, NoPE temperature
                 from engine import gpu_llama4 as g
                 Decoder = g.GpuLlama4Decoder
+            elif isinstance(c, MimoV2FlashConfig):   # narrow V heads, sinks a layer: engine/gpu_mimo.py
+                from engine import gpu_mimo as g
+                Decoder = g.GpuMimoDecoder
             else:
                 from engine import gpu as g
                 Decoder = g.GpuDecoder

@@ -89,6 +89,30 @@ def query_temperature(q, pos, floor_scale, attn_scale, stream):
 
 @pdl_kernel
 @cuda.jit
+def _head_prefix(a, scale, out):
+    pdl_wait()
+    pdl_trigger()
+    i = cuda.grid(1)
+    T, nh, D = a.shape
+    dv = out.shape[1] // nh
+    if i < T * nh * dv:
+        t = i // (nh * dv)
+        h = (i // dv) % nh
+        out[t, i % (nh * dv)] = a[t, h, i % dv] * scale
+
+
+def head_prefix(a, dv, scale, out, stream):
+    """out float32 [T, nh * dv] = a[:, :, :dv] * scale for a float32 [T, nh, D]: each head's
+    first dv values, scaled (MiMo-V2-Flash's value heads, narrower than the cache's);
+    reference.head_prefix."""
+    t, nh, _ = a.shape
+    if out.shape != (t, nh * dv):
+        raise ValueError(f"head_prefix: out {out.shape} for {t} rows of {nh} heads of {dv}")
+    _head_prefix[cdiv(t * nh * dv, THREADS), THREADS, stream](a, float32(scale), out)
+
+
+@pdl_kernel
+@cuda.jit
 def _clip(x, lim):
     pdl_wait()
     pdl_trigger()

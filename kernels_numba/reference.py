@@ -86,6 +86,11 @@ def query_temperature(q: np.ndarray, pos: np.ndarray, floor_scale: float, attn_s
     return (q.astype(np.float64) * s[:, None, None]).astype(np.float32)
 
 
+def head_prefix(a: np.ndarray, dv: int, scale: float) -> np.ndarray:
+    """a [T, nh, D] -> [T, nh * dv]: each head's first dv values times scale."""
+    return (a[:, :, :dv].astype(np.float64) * scale).reshape(a.shape[0], -1).astype(np.float32)
+
+
 def layernorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x [..., N], w [N] -> (x - mean) / sqrt(var + eps) * w over the last axis (no bias)."""
     x64 = x.astype(np.float64)

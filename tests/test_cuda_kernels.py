@@ -323,6 +323,15 @@ def check_query_temperature(rng, t=5, nh=3, d=8):
     _close(dq.copy_to_host(), ref.query_temperature(q, pos, 4.0, 0.3), what="query temperature")
 
 
+def check_head_prefix(rng, t=3, nh=4, d=12, dv=8):
+    from kernels_numba import gpu_misc as gm
+    a = rng.standard_normal((t, nh, d)).astype(np.float32)
+    out = _nan((t, nh * dv))
+    gm.head_prefix(cuda.to_device(a), dv, 0.707, out, cuda.stream())
+    cuda.synchronize()
+    _close(out.copy_to_host(), ref.head_prefix(a, dv, 0.707), what="head prefix")
+
+
 def check_silu_mul_limited(rng, n=37):
     """gm.silu_mul with a limit, both clamp placements and gpt-oss's form, against
     limited_expert's activation."""
@@ -855,6 +864,7 @@ def _sim_checks_a(rng, t0) -> None:
     check_experts_scaled("nvfp4", 44, 22, 2, 5, rng)
     check_grouped_scaled("bf16", 36, 20, 2, 7, 5, rng)
     check_query_temperature(rng)
+    check_head_prefix(rng)
     print(f"ok experts scaled {time.time() - t0:.0f}s", flush=True)
 
 
@@ -992,6 +1002,7 @@ def test_experts_scaled_gpu(fmt):
         check_experts_scaled(fmt, 5120, 8192, k, 16, rng)
     check_grouped_scaled(fmt, 5120, 8192, 1, 256, 16, rng)
     check_query_temperature(rng, 7, 40, 128)
+    check_head_prefix(rng, 7, 64, 192, 128)
 
 
 @pytest.mark.gpu

@@ -117,7 +117,8 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "step3p5": "GpuStepDecoder", "step3p7": "GpuStepDecoder",   # tests/test_step3p5.py
             "cohere2_moe": "GpuCohereDecoder",   # tests/test_cohere2_moe.py
             "minimax_m3_vl": "GpuM3Decoder",     # tests/test_minimax_m3.py
-            "llama4": "GpuLlama4Decoder", "llama4_text": "GpuLlama4Decoder"}   # tests/test_llama4.py
+            "llama4": "GpuLlama4Decoder", "llama4_text": "GpuLlama4Decoder",   # tests/test_llama4.py
+            "mimo_v2_flash": "GpuMimoDecoder"}   # tests/test_mimo_v2_flash.py
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))
