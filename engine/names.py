@@ -173,6 +173,19 @@ _HUNYUAN = {**_LLAMA_LIKE,
 _MIMO = {**_LLAMA_LIKE, "router_bias": "model.layers.{l}.mlp.gate.e_score_correction_bias",
          "sinks": "model.layers.{l}.self_attn.attention_sink_bias"}
 
+# AFMoE (Arcee Trinity): norms before and after attention and MLP (post_attention_layernorm is
+# the attention OUTPUT's), an output gate, the router and its bias under mlp
+_AFMOE = {**_LLAMA_LIKE,
+          "mlp_norm": "model.layers.{l}.pre_mlp_layernorm.weight",
+          "post_attn_norm": "model.layers.{l}.post_attention_layernorm.weight",
+          "post_mlp_norm": "model.layers.{l}.post_mlp_layernorm.weight",
+          "attn_gate": "model.layers.{l}.self_attn.gate_proj.weight",
+          "router": "model.layers.{l}.mlp.router.gate.weight",
+          "router_bias": "model.layers.{l}.mlp.expert_bias",
+          "shared_gate": "model.layers.{l}.mlp.shared_experts.gate_proj.weight",
+          "shared_up": "model.layers.{l}.mlp.shared_experts.up_proj.weight",
+          "shared_down": "model.layers.{l}.mlp.shared_experts.down_proj.weight"}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -207,6 +220,7 @@ NAMES: dict[str, dict[str, str]] = {
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
     "solar_open": _SIGMOID_MOE,
     "mimo_v2_flash": _MIMO,
+    "afmoe": _AFMOE,
     "hunyuan_v1_moe": _HUNYUAN,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,

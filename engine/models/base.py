@@ -324,7 +324,12 @@ class MoeDecoder:
         ops.kv_store(st.k[l], st.v[l], int(pos[0]), k, v, self.kv_bf16)
         a = ops.attention(q, st.k[l], st.v[l], pos, c.head_dim ** -0.5, self.window(l),
                           self.sinks(l))
-        return ops.linear(a.reshape(t, c.q_dim), w("o", l))
+        return ops.linear(self.gated(l, h, a.reshape(t, c.q_dim)), w("o", l))
+
+    def gated(self, l: int, h, a):
+        """The heads' output a [T, Hq D] before o_proj, of the attention's input h (a family's
+        output gate: AFMoE's)."""
+        return a
 
     def window(self, l: int) -> int:
         """Layer l's sliding window (0: full attention)."""
