@@ -545,7 +545,7 @@ class GpuDecoder:
         tok.copy_to_device(b.tok_h[:t], stream=cs)
         pos.copy_to_device(b.pos_h[:t], stream=cs)
         x = b.x[:t]
-        gd.embed(tok, self.w("embed"), x, cs)
+        self._embed(tok, x)
         for l in range(c.n_layers):
             self._dense_begin(l)
             self._attention(l, b, t, st)
@@ -593,7 +593,7 @@ class GpuDecoder:
 
     def _seg_embed(self):
         self._seg_feed()
-        gd.embed(self.one.tok, self.w("embed"), self.one.x, self.cs)
+        self._embed(self.one.tok, self.one.x)
 
     def _seg_layer_dense(self, l, st, device_ids: bool = False):
         """device_ids: the router's ids stay in ids_all_d (the all-resident token copies every
@@ -629,29 +629,39 @@ class GpuDecoder:
         if not device_slots:
             self.slots_d[l].copy_to_device(self.slots_h[l], stream=cs)
         # the down kernel adds into the residual stream itself (x + moe, one add as before)
+        out, limit = self._moe_target(b, 1).reshape(-1), self._limit(l)
         if clamped(c):   # gpt-oss: the biases by expert id, the ids the slots were resolved from
             ids = self.ids_all_d[l]
             if not device_slots:   # the host's (route_override may have replaced the router's)
                 ids = b.ids[0]
                 ids.copy_to_device(self.ids_all_h[l], stream=cs)
             gx.expert_mlp_clamped(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], ids,
-                                  b.w[0], b.h[0], b.act[:2 * c.top_k], b.x.reshape(-1),
+                                  b.w[0], b.h[0], b.act[:2 * c.top_k], out,
                                   self.w("expert_bias", l), c.swiglu_alpha, c.swiglu_limit, cs,
                                   accumulate=True)
-            return
-        if c.routing == "sigmoid_input":   # Llama 4: the weights scale the experts' inputs
+        elif c.routing == "sigmoid_input":   # Llama 4: the weights scale the experts' inputs
             gx.expert_mlp_scaled(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0],
-                                 self.ones, b.h[0], b.act[:2 * c.top_k], b.x.reshape(-1), cs,
-                                 accumulate=True)
-            return
-        limit = self._limit(l)
-        if limit:
+                                 self.ones, b.h[0], b.act[:2 * c.top_k], out, cs, accumulate=True)
+        elif limit:
             gx.expert_mlp_limited(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0],
-                                  b.h[0], b.act[:2 * c.top_k], b.x.reshape(-1), limit, cs,
+                                  b.h[0], b.act[:2 * c.top_k], out, limit, cs,
                                   after=True, accumulate=True, alpha=self.swiglu_alpha)
-            return
-        gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0], b.h[0],
-                      b.act[:c.top_k], b.x.reshape(-1), cs, accumulate=True)
+        else:
+            gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0], b.h[0],
+                          b.act[:c.top_k], out, cs, accumulate=True)
+        self._moe_finish(l, b, 1)
+
+    def _moe_target(self, b, t):
+        """The rows a MoE layer's experts and shared expert add into: the residual stream (a
+        family that norms the MoE output first gives a buffer of its own)."""
+        return b.x[:t]
+
+    def _moe_finish(self, l, b, t) -> None:
+        """After a MoE layer's experts (the target's rows complete)."""
+
+    def _embed(self, tok, x) -> None:
+        """x [T, H] = the embedding rows of tok."""
+        gd.embed(tok, self.w("embed"), x, self.cs)
 
     def _seg_head(self):
         b, c = self.one, self.c
@@ -864,7 +874,7 @@ class GpuDecoder:
         c, cs, b = self.c, self.cs, self.one
         if self._devres or self._resident_all():
             def token(s):
-                gd.embed(b.tok, self.w("embed"), b.x, cs)
+                self._embed(b.tok, b.x)
                 for l in range(c.n_layers):
                     self._seg_layer_dense(l, st, device_ids=True)
                     if l in c.moe_layers:
@@ -1046,8 +1056,16 @@ class GpuDecoder:
         return q, k, v
 
     def _attention(self, l, b, t, st):
-        c, cs = self.c, self.cs
+        """x += o_proj(the heads' output) (+ gpt-oss's o bias)."""
         x = b.x[:t]
+        self._linear_add(self.w("o", l), self._attend(l, b, t, st), b.o[:t], x)
+        if clamped(self.c) and self.c.attention_bias:
+            gm.add_rows(x, self.w("o_bias", l), self.cs)
+
+    def _attend(self, l, b, t, st):
+        """Layer l's attention up to o_proj: q / k / v of attn_norm(x), their biases, norms and
+        RoPE, the cache store, attention -> the heads' output b.att [T, Hq D]."""
+        c, cs = self.c, self.cs
         q, k, v = self._qkv(l, b, t)
         if c.attention_bias:
             gm.add_rows(q, self.w("q_bias", l), cs)
@@ -1083,9 +1101,7 @@ class GpuDecoder:
                      _partials(b.partials, t, c.n_heads), cs,
                      c.layer_windows[l] if c.layer_windows else c.sliding_window,
                      sinks=self.w("sinks", l) if oss else None)
-        self._linear_add(self.w("o", l), b.att[:t], b.o[:t], x)
-        if oss and c.attention_bias:
-            gm.add_rows(x, self.w("o_bias", l), cs)
+        return b.att[:t]
 
     def _mlp_in(self, l, b, t):
         """The MLP's input, mlp_norm(x), in b.h (returned)."""
@@ -1158,13 +1174,13 @@ class GpuDecoder:
     def _shared_out(self, l, b, t, g):
         """x += g @ shared_down^T, times sigmoid(h . shared_expert_gate) when gated."""
         if not self.c.shared_gated:
-            self._linear_add(self.w("shared_down", l), g, b.o[:t], b.x[:t])
+            self._linear_add(self.w("shared_down", l), g, b.o[:t], self._moe_target(b, t))
             return
         cs, o = self.cs, b.o[:t]
         self._linear(self.w("shared_down", l), g, o)
         self._linear(self.w("shared_expert_gate", l), b.h[:t], b.sgate[:t])
         gdn.sigmoid_gate(o, b.sgate[:t], cs)
-        x = b.x[:t]
+        x = self._moe_target(b, t)
         gd.add(x.reshape(-1), o.reshape(-1), x.reshape(-1), cs)
 
     def _route(self, l, b, t):
@@ -1238,10 +1254,12 @@ class GpuDecoder:
             evt.record(cs)
             prev2_evt, prev_evt = prev_evt, evt
             prev_keys = {(l, int(e)) for e in experts[g0:g1]}
-        gx.combine(b.y[:a], dev.pos, b.x[:t], cs, accumulate=True)   # x += the experts' sum
+        out = self._moe_target(b, t)
+        gx.combine(b.y[:a], dev.pos, out, cs, accumulate=True)   # x += the experts' sum
         if clamped(c):   # + the routing-weighted down biases of the experts that ran
             ids_d = cuda.to_device(np.ascontiguousarray(ids, np.int32), stream=cs)
-            gx.expert_bias_add(b.x[:t], ids_d, b.w[:t], bias, cs)
+            gx.expert_bias_add(out, ids_d, b.w[:t], bias, cs)
+        self._moe_finish(l, b, t)
         cs.synchronize()   # host arrays above are reused by the next layer
 
 

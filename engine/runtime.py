@@ -201,6 +201,10 @@ def _dense_keys(c):
     if isinstance(c, MimoV2FlashConfig):   # sinks in the sliding layers: engine/gpu_mimo.py
         from engine.gpu_mimo import dense_keys
         return dense_keys(c)
+    from engine.models.afmoe import AfmoeConfig
+    if isinstance(c, AfmoeConfig):   # the post norms and the output gate: engine/gpu_afmoe.py
+        from engine.gpu_afmoe import dense_keys
+        return dense_keys(c)
     keys = [("embed", None), ("final_norm", None)]
     if not c.tie_embeddings:
         keys.append(("lm_head", None))
@@ -260,7 +264,7 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
-                "mimo_v2_flash")
+                "mimo_v2_flash", "afmoe")
 
 
 def pick_device(device: str, family: str) -> str:
@@ -394,7 +398,8 @@ class Engine:
 
     def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route, speculate):
         """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py,
-        gpu_mla.py, gpu_step.py, gpu_cohere.py, gpu_m3.py, gpu_llama4.py, gpu_mimo.py)."""
+        gpu_mla.py, gpu_step.py, gpu_cohere.py, gpu_m3.py, gpu_llama4.py, gpu_mimo.py,
+        gpu_afmoe.py)."""
         from numba import cuda
 
         from engine.models.deepseek_v3 import DeepseekV3Config
@@ -433,6 +438,7 @@ class Engine:
             Decoder, kv = g.GpuMlaDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
         else:
             from engine.models.cohere2_moe import Cohere2MoeConfig
+            from engine.models.afmoe import AfmoeConfig
             from engine.models.llama4 import Llama4Config
             from engine.models.mimo_v2_flash import MimoV2FlashConfig
             from engine.models.minimax_m3 import MinimaxM3Config
@@ -452,6 +458,9 @@ class Engine:
             elif isinstance(c, MimoV2FlashConfig):   # narrow V heads, sinks a layer: engine/gpu_mimo.py
                 from engine import gpu_mimo as g
                 Decoder = g.GpuMimoDecoder
+            elif isinstance(c, AfmoeConfig):   # sandwich norms, the output gate: engine/gpu_afmoe.py
+                from engine import gpu_afmoe as g
+                Decoder = g.GpuAfmoeDecoder
             else:
                 from engine import gpu as g
                 Decoder = g.GpuDecoder

@@ -113,6 +113,21 @@ def head_prefix(a, dv, scale, out, stream):
 
 @pdl_kernel
 @cuda.jit
+def _scale(x, s):
+    pdl_wait()
+    pdl_trigger()
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        x[i] *= s
+
+
+def scale(x, s, stream):
+    """x [n] *= s in place (pass .reshape(-1) views): AFMoE's muP embedding scale."""
+    _scale[cdiv(x.shape[0], THREADS), THREADS, stream](x, float32(s))
+
+
+@pdl_kernel
+@cuda.jit
 def _clip(x, lim):
     pdl_wait()
     pdl_trigger()

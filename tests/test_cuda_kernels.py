@@ -323,6 +323,15 @@ def check_query_temperature(rng, t=5, nh=3, d=8):
     _close(dq.copy_to_host(), ref.query_temperature(q, pos, 4.0, 0.3), what="query temperature")
 
 
+def check_scale(rng, n=37):
+    from kernels_numba import gpu_misc as gm
+    x = rng.standard_normal(n).astype(np.float32)
+    dx = cuda.to_device(x)
+    gm.scale(dx, 5.5, cuda.stream())
+    cuda.synchronize()
+    _close(dx.copy_to_host(), x * np.float32(5.5), tol=0, what="scale")
+
+
 def check_head_prefix(rng, t=3, nh=4, d=12, dv=8):
     from kernels_numba import gpu_misc as gm
     a = rng.standard_normal((t, nh, d)).astype(np.float32)
@@ -865,6 +874,7 @@ def _sim_checks_a(rng, t0) -> None:
     check_grouped_scaled("bf16", 36, 20, 2, 7, 5, rng)
     check_query_temperature(rng)
     check_head_prefix(rng)
+    check_scale(rng)
     print(f"ok experts scaled {time.time() - t0:.0f}s", flush=True)
 
 
@@ -1003,6 +1013,7 @@ def test_experts_scaled_gpu(fmt):
     check_grouped_scaled(fmt, 5120, 8192, 1, 256, 16, rng)
     check_query_temperature(rng, 7, 40, 128)
     check_head_prefix(rng, 7, 64, 192, 128)
+    check_scale(rng, 100_000)
 
 
 @pytest.mark.gpu

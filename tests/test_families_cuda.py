@@ -118,7 +118,8 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "cohere2_moe": "GpuCohereDecoder",   # tests/test_cohere2_moe.py
             "minimax_m3_vl": "GpuM3Decoder",     # tests/test_minimax_m3.py
             "llama4": "GpuLlama4Decoder", "llama4_text": "GpuLlama4Decoder",   # tests/test_llama4.py
-            "mimo_v2_flash": "GpuMimoDecoder"}   # tests/test_mimo_v2_flash.py
+            "mimo_v2_flash": "GpuMimoDecoder",   # tests/test_mimo_v2_flash.py
+            "afmoe": "GpuAfmoeDecoder"}          # tests/test_afmoe.py
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))

@@ -215,10 +215,10 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
     s27) # the never-run families on cuda (2026-12-07): Step-3.5 (tests/test_step3p5.py, and the
          # limited SwiGLU experts' kernels), Cohere's MoE (tests/test_cohere2_moe.py, the
          # LayerNorm kernel with the dense kernels), MiniMax-M3 (tests/test_minimax_m3.py), Llama 4
-         # (tests/test_llama4.py, the input-scaled experts' kernels), MiMo-V2-Flash, Hunyuan-A13B, Solar Open,
+         # (tests/test_llama4.py, the input-scaled experts' kernels), MiMo-V2-Flash, Hunyuan-A13B, Solar Open, AFMoE,
          # DeepSeek-V3.2 / GLM-5 and EXAONE-MoE's parity
          # (three processes; a family's tests take about 150-250 s with their compiles)
-         { run step tests/test_step3p5.py; run cohere tests/test_cohere2_moe.py; } &
+         { run step tests/test_step3p5.py; run cohere tests/test_cohere2_moe.py; run afmoe tests/test_afmoe.py; } &
          { run m3 tests/test_minimax_m3.py; run llama4 tests/test_llama4.py; run mimo tests/test_mimo_v2_flash.py; } &
          { run kern tests/test_cuda_kernels.py -k "limited or scaled or dense or norm"
            run fam tests/test_families_cuda.py -k "deepseek_v32 or glm_moe_dsa or exaone or hunyuan or solar"; } &
