@@ -555,6 +555,10 @@ class Checkpoint:
             raise CheckpointError(f"{parts['q'].file}: {parts['q'].name}: {e}") from None
 
     _FUSED = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
+    # a dense or shared MLP's gate and up rows as one matrix [2I, H], gate first (transformers
+    # versions that save MiniMax-M3's dense MLPs as they hold them)
+    _DENSE_FUSED = re.compile(r"^(?P<p>.*\.(?:mlp|shared_mlp|shared_expert|shared_experts|feed_forward))"
+                              r"\.gate_up_proj\.weight$")
     # Step-3.5's experts: each projection stacked alone, [E, I, H] / [E, H, I], under .moe.
     _STACKED = re.compile(r"^(?P<p>.*\.moe)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -578,6 +582,16 @@ class Checkpoint:
         each projection alone under `.moe.` ([E, I, H] / [E, H, I]): views the same way."""
         dims = self._expert_dims()
         for name, t in list(self.tensors.items()):
+            m = self._DENSE_FUSED.match(name)
+            if m is not None and len(t.shape) == 2 and t.shape[0] % 2 == 0 and t.dtype in FLOAT_DTYPES:
+                half, cols = t.shape[0] // 2, t.shape[1]
+                part = t.nbytes // 2
+                for i, proj in enumerate(("gate_proj", "up_proj")):   # row ranges: views, no copy
+                    view = f"{m['p']}.{proj}.weight"
+                    if view not in self.tensors:
+                        self.tensors[view] = TensorInfo(view, t.file, t.dtype, (half, cols), t.start + i * part, part)
+                        self.fused[view] = name
+                continue
             m = self._STACKED.match(name)
             if m is not None and len(t.shape) == 3:   # per-expert views `<p>.<e>.<kind>.weight`
                 e_n, rows, cols = t.shape

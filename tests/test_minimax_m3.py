@@ -86,6 +86,22 @@ def test_state_resumes_and_packed(tiny, tmp_path):
     assert rel_err(engine.load(tmp_path / "p", device="cpu").logits(ids), want) < 1e-2
 
 
+def test_dense_mlp_fused_gate_up(tiny, tmp_path):
+    """A checkpoint whose dense MLP holds gate and up as one gate_up_proj (as older transformers
+    save MiniMax-M3) reads as the split one."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    d = tmp_path / "fused"
+    shutil.copytree(tiny[0], d)
+    f = next(d.glob("*.safetensors"))
+    sd = load_file(str(f))
+    p = "language_model.model.layers.0.mlp."
+    sd[p + "gate_up_proj.weight"] = np.concatenate([sd.pop(p + "gate_proj.weight"), sd.pop(p + "up_proj.weight")])
+    save_file(sd, str(f), metadata={"format": "pt"})
+    ids = np.random.default_rng().integers(0, 300, 10)
+    assert rel_err(engine.load(d, device="cpu").logits(ids), engine.load(tiny[0], device="cpu").logits(ids)) < 1e-6
+
+
 def test_config_read(tiny):
     c = family_of(json.loads((tiny[0] / "config.json").read_text())).config
     assert c.sparse_layers == (1, 3) and c.moe_layers == (1, 2, 3) and c.rope.rotary_dim == 8
