@@ -120,6 +120,44 @@ PRESETS = {
         "max_position_embeddings": 196608, "tie_word_embeddings": False,
         "eos_token_id": 200020, "bos_token_id": 200034,
     },
+    # Llama-4-Scout-17B-16E's language model (a 54 GB NVFP4 arena beside 20 GB of bf16 dense
+    # weights: --layers 24 fits the GPU machine's disk); byte-level tokenizer
+    "llama-4-scout": {
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": 202048,
+        "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+        "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+        "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+        "no_rope_layer_interval": 4, "attention_chunk_size": 8192, "use_qk_norm": True,
+        "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                            "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                            "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 10485760, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "eos_token_id": [200001, 200007, 200008], "bos_token_id": 200000,
+    },
+    # Hunyuan-A13B's config.json (80B: a 43 GB NVFP4 arena); byte-level tokenizer
+    "hunyuan-a13b": {
+        "architectures": ["HunYuanMoEV1ForCausalLM"], "model_type": "hunyuan_v1_moe", "vocab_size": 128167,
+        "hidden_size": 4096, "intermediate_size": 3072, "moe_intermediate_size": [3072] * 32,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "num_experts": 64, "moe_topk": [8] * 32, "num_shared_expert": [1] * 32, "use_qk_norm": True,
+        "use_mixed_mlp_moe": True, "use_cla": False, "rope_theta": 10000.0,
+        "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"},
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "eos_token_id": 127960, "bos_token_id": 127959,
+    },
+    # MiMo-V2-Flash's config.json in the release's spellings (309B: a 170 GB NVFP4 arena;
+    # --layers 12 makes 43 GB); byte-level tokenizer
+    "mimo-v2-flash": {
+        "architectures": ["MiMoV2FlashForCausalLM"], "model_type": "mimo_v2_flash", "vocab_size": 152576,
+        "hidden_size": 4096, "intermediate_size": 16384, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 48, "num_attention_heads": 64, "num_key_value_heads": 4,
+        "swa_num_key_value_heads": 8, "head_dim": 192, "v_head_dim": 128, "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": None, "sliding_window_size": 128, "attention_value_scale": 0.707,
+        "rope_theta": 5000000.0, "swa_rope_theta": 10000.0, "partial_rotary_factor": 0.334,
+        "layernorm_epsilon": 1e-5, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    },
 }
 
 DISTINCT_BLOCKS = 16  # random blocks generated, then cycled: speed does not depend on the values
