@@ -223,11 +223,22 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          { run kern tests/test_cuda_kernels.py -k "limited or scaled or dense or norm"
            run fam tests/test_families_cuda.py -k "deepseek_v32 or glm_moe_dsa or exaone or hunyuan or solar"; } &
          wait ;;
+    newbench) # the new families' streaming decode at --vram-gb 8 --ram-gb 32 on synthetic arenas cut
+         # to fit the disk (Hunyuan-A13B 16 of 32 layers, Llama-4-Scout 12 of 48, MiMo-V2-Flash 8 of 48),
+         # one after another in what the call allows (2026-12-07, not yet run)
+         for m in hunyuan-a13b:16 llama-4-scout:12 mimo-v2-flash:8; do
+             p=${m%%:*}; d=/tmp/$p
+             [ $SECONDS -lt 420 ] || break
+             { [ -d $d ] || python3 -m engine.synth $p $d --layers ${m#*:}; } > "$OUT/$p.txt" 2>&1 &&
+                 timeout $((580 - SECONDS)) python3 -m engine.bench gpu-stream --model $d --vram-gb 8 \
+                     --ram-gb 32 --tokens 64 --prompt-len 512 >> "$OUT/$p.txt" 2>&1
+             rm -rf $d
+         done ;;
     s25p) # s25's probe and the engine's gather tests alone (little device time left)
          timeout 90 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn \
              > "$OUT/bench.txt"
          LIMIT=${TEST_S:-150} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|newbench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
