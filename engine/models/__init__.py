@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from engine.models import (afmoe, cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dots1,
-                           ernie4_5_moe, exaone_moe, glm4_moe, glm4_moe_lite, glm_moe_dsa, gpt_oss,
+                           ernie4_5_moe, exaone_moe, glm4_moe, glm4_moe_lite, glm4v_moe, glm_moe_dsa, gpt_oss,
                            hunyuan_v1_moe, kimi_k25, llama4, mimo_v2_flash, minimax_m2, minimax_m3, mixtral,
                            olmoe,
                            qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open,
@@ -48,6 +48,7 @@ FAMILIES = {
     "hunyuan_v1_moe": hunyuan_v1_moe,    # Hunyuan-A13B: q / k norms after RoPE
     "mimo_v2_flash": mimo_v2_flash,      # MiMo-V2-Flash: sliding layers with sinks, V heads narrower than K
     "afmoe": afmoe,                      # Arcee Trinity: sandwich norms, an attention output gate
+    "glm4v_moe": glm4v_moe,              # GLM-4.5V / 4.6V: the image-text wrapper's language model (glm4_moe)
 }
 
 # model types that are another family's architecture under their own name
