@@ -112,6 +112,21 @@ def test_state_resumes_and_packed(tiny, tmp_path):
     assert rel_err(engine.load(tmp_path / "p", device="cpu").logits(ids), want) < 1e-5
 
 
+def test_fp8_release_layout(tmp_path):
+    """The release's block-FP8 layout (every projection an F8_E4M3 weight beside its
+    weight_scale_inv; router, bias and sinks float32): the engine on it equals the engine and
+    transformers on the same weights dequantized by torch."""
+    from conftest import check_against
+    from test_fp8_checkpoint import dequantized_copy, tf_reference, write_fp8
+    build(tmp_path / "f32")
+    write_fp8(tmp_path / "f32", tmp_path / "fp8", block=(4, 8))
+    dequantized_copy(tmp_path / "fp8", tmp_path / "bf16")
+    ids = np.random.default_rng().integers(0, 300, 12)
+    got = engine.load(tmp_path / "fp8", device="cpu").logits(ids)
+    assert rel_err(got, engine.load(tmp_path / "bf16", device="cpu").logits(ids)) < 1e-5
+    check_against(tf_reference(tmp_path / "bf16"), engine.load(tmp_path / "fp8", device="cpu"))
+
+
 def test_config_read(tiny):
     c = family_of(json.loads((tiny[0] / "config.json").read_text())).config
     assert c.n_kv_heads == 2 and c.full_kv_heads == 1 and (c.head_dim, c.v_head_dim) == (12, 8)
