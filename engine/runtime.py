@@ -264,7 +264,7 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
-                "mimo_v2_flash", "afmoe", "glm4v_moe")
+                "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe")
 
 
 def pick_device(device: str, family: str) -> str:

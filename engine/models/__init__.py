@@ -12,7 +12,8 @@ from engine.models import (afmoe, cohere2_moe, deepseek_v2, deepseek_v3, deepsee
                            ernie4_5_moe, exaone_moe, glm4_moe, glm4_moe_lite, glm4v_moe, glm_moe_dsa, gpt_oss,
                            hunyuan_v1_moe, kimi_k25, llama4, mimo_v2_flash, minimax_m2, minimax_m3, mixtral,
                            olmoe,
-                           qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open,
+                           qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen3_vl_moe,
+                           solar_open,
                            step3p5)
 from engine.models.rope import ConfigError
 
@@ -49,6 +50,7 @@ FAMILIES = {
     "mimo_v2_flash": mimo_v2_flash,      # MiMo-V2-Flash: sliding layers with sinks, V heads narrower than K
     "afmoe": afmoe,                      # Arcee Trinity: sandwich norms, an attention output gate
     "glm4v_moe": glm4v_moe,              # GLM-4.5V / 4.6V: the image-text wrapper's language model (glm4_moe)
+    "qwen3_omni_moe": qwen3_omni_moe,    # Qwen3-Omni: the thinker's language model, text in and out
 }
 
 # model types that are another family's architecture under their own name

@@ -51,7 +51,8 @@ class MimoV2FlashConfig(MoeConfig):
         if mlp is None and cfg.get("moe_layer_freq") is not None:
             mlp = ["sparse" if x else "dense" for x in cfg["moe_layer_freq"]]
         mlp = list(mlp or ["dense"] + ["sparse"] * (n - 1))
-        for field, got, allowed in (("layer_types", types, (SLIDING, FULL)), ("mlp_layer_types", mlp, ("dense", "sparse"))):
+        for field, got, allowed in (("layer_types", types, (SLIDING, FULL)),
+                                    ("mlp_layer_types", mlp, ("dense", "sparse"))):
             if len(got) != n or any(t not in allowed for t in got):
                 raise ConfigError(f"config.json: {field} must give each of the {n} layers one of "
                                   f"{', '.join(allowed)}; got {got}")
