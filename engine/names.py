@@ -219,6 +219,8 @@ NAMES: dict[str, dict[str, str]] = {
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
     "solar_open": _SIGMOID_MOE,
+    # ERNIE-4.5-VL: ERNIE-4.5's names (its text router and bias: ernie4_5_vl_moe.dense_view)
+    "ernie4_5_vl_moe": {**_SIGMOID_MOE, "router_bias": "model.layers.{l}.mlp.moe_statics.e_score_correction_bias"},
     # Qwen3-Omni: the thinker's language model under thinker.
     "qwen3_omni_moe": {k: "thinker." + v for k, v in _LLAMA_LIKE.items()},
     # GLM-4.5V / 4.6V: GLM-4.5's names under the wrapper's model.language_model.

@@ -264,7 +264,7 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
-                "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe")
+                "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe", "ernie4_5_vl_moe")
 
 
 def pick_device(device: str, family: str) -> str:
@@ -346,7 +346,8 @@ class Engine:
         if getattr(c, "chat_template", None):   # DeepSeek-V4's release has no Jinja template
             self.tokenizer.default_template(c.chat_template)
         self.consumed = ck.require(fam.dense_spec, getattr(fam.config, "int_tensors", ()))
-        self._dense = {n: ops.weight(ck.get(n)) for n in fam.dense_spec}
+        view = fam.dense_view or (lambda c, n, a: a)   # a family's stored layout -> its decoders'
+        self._dense = {n: ops.weight(view(c, n, ck.get(n))) for n in fam.dense_spec}
         self.packed = (ck.dir / "manifest.json").is_file()
         if self.packed:
             from engine.pack import load_manifest

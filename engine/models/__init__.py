@@ -2,19 +2,19 @@
 
 A family module provides: `Config` (a frozen dataclass with from_hf(config_json_dict)), `Model`
 (the forward pass over backend ops), `dense_spec(config)` and `expert_spec(config)` (every tensor
-it reads, name -> shape: the completeness contract the loader checks).
+it reads, name -> shape: the completeness contract the loader checks); optionally
+`dense_view(config, name, array)`, a checkpoint's dense tensor in the layout both backends'
+decoders read (a release that stores one transposed).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from engine.models import (afmoe, cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dots1,
-                           ernie4_5_moe, exaone_moe, glm4_moe, glm4_moe_lite, glm4v_moe, glm_moe_dsa, gpt_oss,
-                           hunyuan_v1_moe, kimi_k25, llama4, mimo_v2_flash, minimax_m2, minimax_m3, mixtral,
-                           olmoe,
-                           qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen3_vl_moe,
-                           solar_open,
-                           step3p5)
+                           ernie4_5_moe, ernie4_5_vl_moe, exaone_moe, glm4_moe, glm4_moe_lite, glm4v_moe,
+                           glm_moe_dsa, gpt_oss, hunyuan_v1_moe, kimi_k25, llama4, mimo_v2_flash, minimax_m2,
+                           minimax_m3, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next,
+                           qwen3_omni_moe, qwen3_vl_moe, solar_open, step3p5)
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -51,6 +51,7 @@ FAMILIES = {
     "afmoe": afmoe,                      # Arcee Trinity: sandwich norms, an attention output gate
     "glm4v_moe": glm4v_moe,              # GLM-4.5V / 4.6V: the image-text wrapper's language model (glm4_moe)
     "qwen3_omni_moe": qwen3_omni_moe,    # Qwen3-Omni: the thinker's language model, text in and out
+    "ernie4_5_vl_moe": ernie4_5_vl_moe,  # ERNIE-4.5-VL: the language model's text experts
 }
 
 # model types that are another family's architecture under their own name
@@ -64,6 +65,7 @@ class Family(NamedTuple):
     model_cls: type
     dense_spec: dict
     expert_spec: dict
+    dense_view: object = None   # fn(config, name, array) -> array, or None
 
 
 def family_of(cfg: dict) -> Family:
@@ -77,4 +79,4 @@ def family_of(cfg: dict) -> Family:
                           f"supported: {', '.join(sorted([*FAMILIES, *ALIASES]))}")
     mod = FAMILIES[mt]
     c = mod.Config.from_hf(cfg)
-    return Family(c, mod.Model, mod.dense_spec(c), mod.expert_spec(c))
+    return Family(c, mod.Model, mod.dense_spec(c), mod.expert_spec(c), getattr(mod, "dense_view", None))
