@@ -219,6 +219,7 @@ NAMES: dict[str, dict[str, str]] = {
     # Kimi-K2.5's wrapper as released: DeepSeek-V3's names under language_model.
     "kimi_k25": {k: "language_model." + v for k, v in _DEEPSEEK_V3.items()},
     "solar_open": _SIGMOID_MOE,
+    "minicpm5_moe": _SIGMOID_MOE,   # q_proj holds each head's query and gate
     # ERNIE-4.5-VL: ERNIE-4.5's names (its text router and bias: ernie4_5_vl_moe.dense_view)
     "ernie4_5_vl_moe": {**_SIGMOID_MOE, "router_bias": "model.layers.{l}.mlp.moe_statics.e_score_correction_bias"},
     # Qwen3-Omni: the thinker's language model under thinker.

@@ -205,6 +205,10 @@ def _dense_keys(c):
     if isinstance(c, AfmoeConfig):   # the post norms and the output gate: engine/gpu_afmoe.py
         from engine.gpu_afmoe import dense_keys
         return dense_keys(c)
+    from engine.models.minicpm5_moe import Minicpm5MoeConfig
+    if isinstance(c, Minicpm5MoeConfig):   # q_proj split into query and gate: engine/gpu_minicpm.py
+        from engine.gpu_minicpm import dense_keys
+        return dense_keys(c)
     keys = [("embed", None), ("final_norm", None)]
     if not c.tie_embeddings:
         keys.append(("lm_head", None))
@@ -264,7 +268,8 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
-                "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe", "ernie4_5_vl_moe")
+                "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe", "ernie4_5_vl_moe",
+                "minicpm5_moe")
 
 
 def pick_device(device: str, family: str) -> str:
@@ -400,7 +405,7 @@ class Engine:
     def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route, speculate):
         """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py,
         gpu_mla.py, gpu_step.py, gpu_cohere.py, gpu_m3.py, gpu_llama4.py, gpu_mimo.py,
-        gpu_afmoe.py)."""
+        gpu_afmoe.py, gpu_minicpm.py)."""
         from numba import cuda
 
         from engine.models.deepseek_v3 import DeepseekV3Config
@@ -441,6 +446,7 @@ class Engine:
             from engine.models.cohere2_moe import Cohere2MoeConfig
             from engine.models.afmoe import AfmoeConfig
             from engine.models.llama4 import Llama4Config
+            from engine.models.minicpm5_moe import Minicpm5MoeConfig
             from engine.models.mimo_v2_flash import MimoV2FlashConfig
             from engine.models.minimax_m3 import MinimaxM3Config
             from engine.models.step3p5 import Step3p5Config
@@ -462,6 +468,9 @@ class Engine:
             elif isinstance(c, AfmoeConfig):   # sandwich norms, the output gate: engine/gpu_afmoe.py
                 from engine import gpu_afmoe as g
                 Decoder = g.GpuAfmoeDecoder
+            elif isinstance(c, Minicpm5MoeConfig):   # the gate from q_proj: engine/gpu_minicpm.py
+                from engine import gpu_minicpm as g
+                Decoder = g.GpuMinicpmDecoder
             else:
                 from engine import gpu as g
                 Decoder = g.GpuDecoder

@@ -119,7 +119,8 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "minimax_m3_vl": "GpuM3Decoder",     # tests/test_minimax_m3.py
             "llama4": "GpuLlama4Decoder", "llama4_text": "GpuLlama4Decoder",   # tests/test_llama4.py
             "mimo_v2_flash": "GpuMimoDecoder",   # tests/test_mimo_v2_flash.py
-            "afmoe": "GpuAfmoeDecoder"}          # tests/test_afmoe.py
+            "afmoe": "GpuAfmoeDecoder",          # tests/test_afmoe.py
+            "minicpm5_moe": "GpuMinicpmDecoder"}   # tests/test_minicpm5.py
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))
