@@ -219,7 +219,8 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          # DeepSeek-V3.2 / GLM-5 and EXAONE-MoE's parity
          # (three processes; a family's tests take about 150-250 s with their compiles)
          { run step tests/test_step3p5.py; run cohere tests/test_cohere2_moe.py; run afmoe tests/test_afmoe.py; } &
-         { run m3 tests/test_minimax_m3.py; run llama4 tests/test_llama4.py; run mimo tests/test_mimo_v2_flash.py; } &
+         { run m3 tests/test_minimax_m3.py; run llama4 tests/test_llama4.py; run mimo tests/test_mimo_v2_flash.py
+           run vl tests/test_minicpm5.py tests/test_glm4v.py tests/test_qwen3_omni.py tests/test_ernie_vl.py; } &
          { run kern tests/test_cuda_kernels.py -k "limited or scaled or dense or norm"
            run fam tests/test_families_cuda.py -k "deepseek_v32 or glm_moe_dsa or exaone or hunyuan or solar"; } &
          wait ;;
