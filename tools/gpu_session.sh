@@ -224,6 +224,15 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          { run kern tests/test_cuda_kernels.py -k "limited or scaled or dense or norm"
            run fam tests/test_families_cuda.py -k "deepseek_v32 or glm_moe_dsa or exaone or hunyuan or solar"; } &
          wait ;;
+    s27b) # what s27 left unfinished on 2026-12-07 (its first run passed Cohere, Llama 4, MiMo and
+         # AFMoE's parity): Step-3.5, AFMoE's graph tests, MiniMax-M3, the wrapper families and
+         # MiniCPM5, the limited SwiGLU's bf16 experts, V3.2 / GLM-5 / K-EXAONE / Hunyuan / Solar
+         { run step tests/test_step3p5.py; run afmoe tests/test_afmoe.py -k "graph or stream"; } &
+         { run m3 tests/test_minimax_m3.py
+           run vl tests/test_minicpm5.py tests/test_glm4v.py tests/test_qwen3_omni.py tests/test_ernie_vl.py; } &
+         { run kern tests/test_cuda_kernels.py -k "limited and bf16"
+           run fam tests/test_families_cuda.py -k "deepseek_v32 or glm_moe_dsa or exaone or hunyuan or solar"; } &
+         wait ;;
     newbench) # the new families' streaming decode at --vram-gb 8 --ram-gb 32 on synthetic arenas cut
          # to fit the disk (Hunyuan-A13B 16 of 32 layers, Llama-4-Scout 12 of 48, MiMo-V2-Flash 8 of 48),
          # one after another in what the call allows (2026-12-07, not yet run)
@@ -239,7 +248,7 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          timeout 90 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn \
              > "$OUT/bench.txt"
          LIMIT=${TEST_S:-150} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|newbench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|s27b|newbench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
