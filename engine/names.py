@@ -186,6 +186,12 @@ _AFMOE = {**_LLAMA_LIKE,
           "shared_up": "model.layers.{l}.mlp.shared_experts.up_proj.weight",
           "shared_down": "model.layers.{l}.mlp.shared_experts.down_proj.weight"}
 
+# FlexOlmo: OLMo-2's norms after attention and the MLP (post_attention_layernorm is the
+# attention OUTPUT's), none before (no attn_norm / mlp_norm: flex_olmo.dense_spec)
+_FLEX_OLMO = {**_LLAMA_LIKE,
+              "post_attn_norm": "model.layers.{l}.post_attention_layernorm.weight",
+              "post_mlp_norm": "model.layers.{l}.post_feedforward_layernorm.weight"}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -228,6 +234,7 @@ NAMES: dict[str, dict[str, str]] = {
     "glm4v_moe": {k: v.replace("model.", "model.language_model.", 1) for k, v in _SIGMOID_MOE.items()},
     "mimo_v2_flash": _MIMO,
     "afmoe": _AFMOE,
+    "flex_olmo": _FLEX_OLMO,
     "hunyuan_v1_moe": _HUNYUAN,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,
