@@ -192,6 +192,12 @@ _FLEX_OLMO = {**_LLAMA_LIKE,
               "post_attn_norm": "model.layers.{l}.post_attention_layernorm.weight",
               "post_mlp_norm": "model.layers.{l}.post_feedforward_layernorm.weight"}
 
+# Phi-3.5-MoE: Mixtral's names, LayerNorms with bias, an lm_head bias
+_PHIMOE = {**_MIXTRAL,
+           "attn_norm_bias": "model.layers.{l}.input_layernorm.bias",
+           "mlp_norm_bias": "model.layers.{l}.post_attention_layernorm.bias",
+           "final_norm_bias": "model.norm.bias", "lm_head_bias": "lm_head.bias"}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -235,6 +241,7 @@ NAMES: dict[str, dict[str, str]] = {
     "mimo_v2_flash": _MIMO,
     "afmoe": _AFMOE,
     "flex_olmo": _FLEX_OLMO,
+    "phimoe": _PHIMOE,
     "hunyuan_v1_moe": _HUNYUAN,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,

@@ -1,5 +1,5 @@
 """RoPE parameters from config.json and their inverse frequencies (default, linear, yarn,
-llama3; dynamic NTK with a fixed alpha as the default kind with its stretched base)."""
+llama3, longrope; dynamic NTK with a fixed alpha as the default kind with its stretched base)."""
 from __future__ import annotations
 
 import math
@@ -28,7 +28,7 @@ def declared_partial(cfg: dict) -> float | None:
 class RopeConfig:
     theta: float
     rotary_dim: int                 # dims of each head that rotate (partial rotary < head_dim)
-    kind: str = "default"           # default | linear | yarn | llama3
+    kind: str = "default"           # default | linear | yarn | llama3 | longrope
     factor: float = 1.0
     original_max_position: int = 0  # yarn: the pretraining context
     beta_fast: float = 32.0
@@ -37,6 +37,8 @@ class RopeConfig:
     truncate: bool = True
     low_freq_factor: float = 1.0    # llama3: wavelengths past original / low_freq_factor slowed
     high_freq_factor: float = 4.0   #   by factor, under original / high_freq_factor kept, between blended
+    ext_factors: tuple = ()         # longrope: each frequency's divisor (short_factor: the reference
+                                    #   computes its frequencies without a sequence length)
 
     @classmethod
     def from_hf(cls, cfg: dict, head_dim: int) -> "RopeConfig":
@@ -48,9 +50,9 @@ class RopeConfig:
             theta = theta * alpha ** (head_dim / (head_dim - 2))
         partial = declared_partial(cfg)
         partial = 1.0 if partial is None else partial
-        if kind not in ("default", "linear", "yarn", "llama3"):
+        if kind not in ("default", "linear", "yarn", "llama3", "longrope"):
             raise ConfigError(f"config.json: rope type {kind!r} is not supported; "
-                              "supported: default, linear, yarn, llama3, dynamic with a fixed alpha")
+                              "supported: default, linear, yarn, llama3, longrope, dynamic with a fixed alpha")
         factor = float(params.get("factor") or 1.0)
         orig = int(cfg.get("original_max_position_embeddings")
                    or params.get("original_max_position_embeddings")
@@ -74,7 +76,17 @@ class RopeConfig:
             if att is None:
                 att = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
                        if mscale and mscale_all else get_mscale(factor))
-        return cls(theta=theta, rotary_dim=int(head_dim * partial), kind=kind, factor=factor,
+        ext = ()
+        if kind == "longrope":
+            ext = tuple(float(v) for v in params.get("short_factor") or ())
+            if len(ext) != int(head_dim * partial) // 2:
+                raise ConfigError(f"config.json: rope_parameters' short_factor must hold "
+                                  f"{int(head_dim * partial) // 2} values (rotary dims / 2); got {len(ext)}")
+            if params.get("factor") is None:
+                factor = cfg.get("max_position_embeddings", orig) / orig
+            if att is None:
+                att = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        return cls(theta=theta, rotary_dim=int(head_dim * partial), kind=kind, factor=factor, ext_factors=ext,
                    original_max_position=orig,
                    beta_fast=float(params.get("beta_fast") or 32.0),
                    beta_slow=float(params.get("beta_slow") or 1.0),
@@ -90,6 +102,8 @@ class RopeConfig:
         inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
         if self.kind == "linear":
             return (inv / np.float32(self.factor)).astype(np.float32)
+        if self.kind == "longrope":   # in float32, as the reference computes it
+            return (np.float32(1.0) / (np.asarray(self.ext_factors, np.float32) * pos_freqs)).astype(np.float32)
         if self.kind == "llama3":   # in float32, as the reference computes it
             f, lo, hi = np.float32(self.factor), np.float32(self.low_freq_factor), np.float32(self.high_freq_factor)
             old = np.float32(self.original_max_position)

@@ -1,0 +1,100 @@
+"""Phi-3.5-MoE (engine/models/phimoe.py) on the CPU backend against transformers on tiny random
+models: LayerNorms with bias, q / k / v / o and lm_head biases, sparsemixer routing (top-2),
+longrope frequencies and mscale, a sliding window."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import engine
+from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from engine.models import family_of
+from engine.models.phimoe import sparsemixer
+from engine.models.rope import ConfigError
+
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+HALF = 4   # head_dim 8: four rotary frequencies
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64,
+                short_factor=[1.0, 1.3, 2.1, 3.5], long_factor=[1.1, 2.0, 4.0, 8.0],
+                short_mscale=1.2, long_mscale=1.2)
+CASES = [dict(attention_bias=True, lm_head_bias=True, rope_parameters=LONGROPE),
+         dict(sliding_window=5, router_jitter_noise=0.3)]
+
+
+def build(dst, dtype: str = "float32", **over):
+    import torch
+    import transformers as tf
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"phimoe weights seed {seed}", flush=True)
+    torch.manual_seed(seed)
+    model = tf.PhimoeForCausalLM(tf.PhimoeConfig(**{**TINY, **over}))
+    widen_init(model)
+    with torch.no_grad():   # LayerNorm and o biases away from their zero init
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
+    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return tf.PhimoeForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+
+
+def _logits(ref, ids):
+    import torch
+    with torch.no_grad():
+        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+
+
+@pytest.mark.parametrize("over", CASES, ids=["biases-longrope", "window-jitter"])
+def test_logits_and_greedy_match_transformers(tmp_path, over):
+    ref = build(tmp_path, **over)
+    ids = np.random.default_rng().integers(0, 300, 14)
+    m = engine.load(tmp_path, device="cpu")
+    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
+    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+    if over is CASES[0]:
+        check_state_resumes(tmp_path, ids)
+        st = m.model.new_state(32)
+        parts = [m.model.forward(ids[:3], st, all_logits=True)] + [m.model.forward(ids[i:i + 1], st)
+                                                                   for i in range(3, 14)]
+        assert rel_err(np.concatenate(parts), m.model.forward(ids, m.model.new_state(32), all_logits=True)) < 1e-5
+
+
+def test_sparsemixer_matches_reference():
+    """The routing alone on fresh logits, some rows with near ties and all-negative ones."""
+    import torch
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer as ref_mixer
+    rng = np.random.default_rng()
+    logits = rng.normal(0, 1, (64, 16)).astype(np.float32)
+    logits[:8] -= 5.0
+    logits[8:16, 3] = logits[8:16, 7] + rng.uniform(0, 0.01, 8).astype(np.float32)
+    for eps in (0.01, 0.3):
+        w_ref, ids_ref = ref_mixer(torch.tensor(logits), jitter_eps=eps, training=False)
+        ids, w = sparsemixer(logits, eps)
+        assert np.array_equal(ids, ids_ref.numpy())
+        assert np.allclose(w, w_ref.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_packed(tmp_path):
+    """A bf16 checkpoint packed with bf16 experts gives its logits."""
+    from engine.pack import pack
+    build(tmp_path / "src", "bfloat16", attention_bias=True, lm_head_bias=True)
+    pack(tmp_path / "src", tmp_path / "p", "bf16", progress=False)
+    ids = np.random.default_rng().integers(0, 300, 12)
+    want = engine.load(tmp_path / "src", device="cpu").logits(ids)
+    assert rel_err(engine.load(tmp_path / "p", device="cpu").logits(ids), want) < 1e-5
+
+
+def test_config_read_and_refused():
+    c = family_of({"model_type": "phimoe", **TINY, "rope_parameters": LONGROPE}).config
+    assert c.rope.kind == "longrope" and c.rope.attention_factor == 1.2 and len(c.rope.ext_factors) == HALF
+    with pytest.raises(ConfigError, match="picks exactly 2 experts"):
+        family_of({"model_type": "phimoe", **TINY, "num_experts_per_tok": 3})
+    with pytest.raises(ConfigError, match="long_mscale 1.5 differs from short_mscale"):
+        family_of({"model_type": "phimoe", **TINY, "rope_parameters": {**LONGROPE, "long_mscale": 1.5}})
+    with pytest.raises(ConfigError, match="short_factor must hold 4 values"):
+        family_of({"model_type": "phimoe", **TINY, "rope_parameters": {**LONGROPE, "short_factor": [1.0]}})
