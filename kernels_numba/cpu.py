@@ -13,6 +13,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from kernels_numba import reference
 from kernels_numba.cpu_deltanet import DeltaNetOps
 
 # ---- number formats --------------------------------------------------------------------------
@@ -723,6 +724,10 @@ class CpuOps:
         w = np.empty((t, k), dtype=np.float32)
         router_topk(np.ascontiguousarray(logits, dtype=np.float32), k, norm, ids, w)
         return ids, w
+
+    def router_sparsemixer(self, logits: np.ndarray, eps: float):
+        """Phi-3.5-MoE's top-2 routing (two numpy passes over [T, E]: no kernel of its own)."""
+        return reference.router_sparsemixer(logits, eps)
 
     def router_sigmoid(self, logits: np.ndarray, bias: np.ndarray, k: int, n_group: int,
                        topk_group: int, norm: bool, scale: float, softmax: bool = False):

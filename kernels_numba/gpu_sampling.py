@@ -379,6 +379,71 @@ def router_sigmoid_topk(logits, bias, n_group, topk_group, norm_topk_prob, scale
     _ROUTER_GROUPED[(True,) + variant][t, WARP, stream](*args, slot_of, out)
 
 
+def _make_router_sparsemixer(SLOTS):
+    @cuda.jit(device=True, inline=True)
+    def body(logits, eps2, ids, weights, slot_of, slots):
+        """grid T, one thread (the phimoe router has 16 experts: two short scans a pick)."""
+        t = cuda.blockIdx.x
+        E = logits.shape[1]
+        first = int32(-1)
+        for k in range(2):
+            bi = int32(-1)
+            bv = NEG_INF
+            for e in range(E):
+                v = logits[t, e]
+                if e != first and (bi < 0 or v > bv):
+                    bi = int32(e)
+                    bv = v
+            s = float32(0.0)   # the softmax over the logits near the pick (the pick's term is 1)
+            for e in range(E):
+                v = logits[t, e]
+                if e != first and not ((bv - v) / max(abs(v), bv) > eps2):
+                    s += math.exp(v - bv)
+            ids[t, k] = bi
+            weights[t, k] = float32(1.0) / s
+            if SLOTS:
+                slots[t, k] = slot_of[bi]
+            first = bi
+
+    if SLOTS:
+        @pdl_kernel
+        @cuda.jit
+        def router_sparsemixer_slots(logits, eps2, ids, weights, slot_of, slots):
+            pdl_wait()
+            pdl_trigger()
+            body(logits, eps2, ids, weights, slot_of, slots)
+        return router_sparsemixer_slots
+
+    @pdl_kernel
+    @cuda.jit
+    def router_sparsemixer(logits, eps2, ids, weights):
+        pdl_wait()
+        pdl_trigger()
+        body(logits, eps2, ids, weights, ids[0], ids)   # the slot arguments unused
+    return router_sparsemixer
+
+
+_SPARSEMIXER = {slots: _make_router_sparsemixer(slots) for slots in (False, True)}
+
+
+def router_sparsemixer(logits, eps, ids, weights, stream, slots=None):
+    """Phi-3.5-MoE's top-2 routing (reference.router_sparsemixer): logits float32 [T, E] ->
+    ids int32 [T, 2], weights float32 [T, 2]; slots as router_topk."""
+    t, e = logits.shape
+    if ids.shape != (t, 2) or weights.shape != ids.shape or e < 2:
+        raise ValueError(f"router_sparsemixer: ids {ids.shape}, weights {weights.shape} for logits "
+                         f"{logits.shape} (two picks a token)")
+    args = (logits, float32(2 * eps), ids, weights)
+    if slots is None:
+        _SPARSEMIXER[False][t, 1, stream](*args)
+        return
+    slot_of, out = slots
+    if slot_of.shape != (e,) or out.shape != ids.shape:
+        raise ValueError(f"router_sparsemixer slots: table {slot_of.shape} for {e} experts, "
+                         f"out {out.shape} for ids {ids.shape}")
+    _SPARSEMIXER[True][t, 1, stream](*args, slot_of, out)
+
+
 @pdl_kernel
 @cuda.jit
 def _argmax(logits, out):

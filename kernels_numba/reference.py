@@ -186,6 +186,28 @@ def router_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.nd
     return ids, w.astype(np.float32)
 
 
+def router_sparsemixer(logits: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Phi-3.5-MoE's sparsemixer at inference, top-2, in float32 as its reference computes:
+    logits [T, E] -> (ids int32 [T, 2], weights float32 [T, 2]). Pick the best logit m (lower
+    index first on ties), weigh it by its softmax over the logits s with (m - s) / max(|s|, m)
+    <= 2 eps; then the same for the best of the rest (the first pick out of its softmax)."""
+    s = np.asarray(logits, np.float32)
+    rows = np.arange(s.shape[0])
+    ids, wts = [], []
+    masked = s
+    for _ in range(2):
+        e = np.argmax(masked, -1)
+        top = masked[rows, e][:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            far = (top - s) / np.maximum(np.abs(s), top) > np.float32(2 * eps)
+        g = np.exp(np.where(far, np.float32(-np.inf), masked) - top)
+        wts.append((g[rows, e] / g.sum(-1)).astype(np.float32))
+        ids.append(e)
+        masked = masked.copy()
+        masked[rows, e] = -np.inf
+    return np.stack(ids, -1).astype(np.int32), np.stack(wts, -1)
+
+
 def router_sigmoid_topk(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int,
                         topk_group: int, norm_topk_prob: bool,
                         scale: float) -> tuple[np.ndarray, np.ndarray]:

@@ -750,6 +750,33 @@ def check_router_sigmoid(rng, t, e, k, n_group, topk_group):
                                _nan((t, e + 1), np.int32), _nan((t, e + 1)), stream)
 
 
+def check_router_sparsemixer(rng, t, e):
+    """gs.router_sparsemixer against the oracle (Phi-3.5-MoE): fresh logits with near ties and
+    all-negative rows, two jitter widths; the slot table path the same ids and weights."""
+    from kernels_numba import gpu_sampling as gs
+    stream = cuda.stream()
+    slot_of = rng.permutation(2 * e)[:e].astype(np.int32)
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[: t // 3] -= 4.0
+    logits[t // 3: 2 * t // 3, 1] = logits[t // 3: 2 * t // 3, 0] + 1e-3
+    dl = cuda.to_device(logits)
+    for eps in (0.01, 0.4):
+        what = f"router_sparsemixer T={t} E={e} eps={eps}"
+        eids, ew = ref.router_sparsemixer(logits, eps)
+        ids, w = _nan((t, 2), np.int32), _nan((t, 2))
+        gs.router_sparsemixer(dl, eps, ids, w, stream)
+        ids2, w2, sl = _nan((t, 2), np.int32), _nan((t, 2)), _nan((t, 2), np.int32)
+        gs.router_sparsemixer(dl, eps, ids2, w2, stream, slots=(cuda.to_device(slot_of), sl))
+        stream.synchronize()
+        ih = ids.copy_to_host()
+        assert np.array_equal(ih, eids), f"{what}: ids {ih} != {eids}"
+        _close(w.copy_to_host(), ew, what=what + " weights")
+        assert np.array_equal(ids2.copy_to_host(), ih) and np.array_equal(w2.copy_to_host(), w.copy_to_host())
+        assert np.array_equal(sl.copy_to_host(), slot_of[ih]), what + ": slots"
+    with pytest.raises(ValueError, match="router_sparsemixer"):
+        gs.router_sparsemixer(dl, 0.01, _nan((t, 3), np.int32), _nan((t, 3)), stream)
+
+
 def check_router_sampling(rng, t, e, k, vocab):
     from kernels_numba import gpu_sampling as gs
     stream = cuda.stream()
@@ -932,6 +959,7 @@ def _sim_checks_b(rng, t0) -> None:
     check_router_sigmoid(rng, t=2, e=16, k=3, n_group=4, topk_group=2)
     check_router_sigmoid(rng, t=1, e=40, k=6, n_group=1, topk_group=1)   # two keys a lane
     check_router_sigmoid(rng, t=2, e=8, k=3, n_group=8, topk_group=4)    # one expert a group
+    check_router_sparsemixer(rng, t=6, e=16)                                  # Phi-3.5-MoE
     print(f"ok router/sampling {time.time() - t0:.0f}s", flush=True)
 
 
@@ -1160,6 +1188,14 @@ def test_router_topk_gpu(t, e, k):
     """Qwen3-30B-A3B's router at decode and prefill, 512 and 1024 experts, E not a multiple of
     32, K > 32 (v2 runs base)."""
     check_router_topk(np.random.default_rng(13), t, e, k)
+
+
+@pytest.mark.gpu
+@gpu
+def test_router_sparsemixer_gpu():
+    """Phi-3.5-MoE's router (16 experts) at decode and over a prefill chunk."""
+    check_router_sparsemixer(np.random.default_rng(15), 1, 16)
+    check_router_sparsemixer(np.random.default_rng(16), 96, 16)
 
 
 @pytest.mark.gpu

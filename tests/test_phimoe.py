@@ -11,8 +11,8 @@ import pytest
 import engine
 from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
 from engine.models import family_of
-from engine.models.phimoe import sparsemixer
 from engine.models.rope import ConfigError
+from kernels_numba import reference as ref
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
@@ -65,7 +65,8 @@ def test_logits_and_greedy_match_transformers(tmp_path, over):
 
 
 def test_sparsemixer_matches_reference():
-    """The routing alone on fresh logits, some rows with near ties and all-negative ones."""
+    """The routing's oracle (kernels_numba/reference.py) on fresh logits against the reference's:
+    some rows with near ties, all-negative ones."""
     import torch
     from transformers.models.phimoe.modeling_phimoe import sparsemixer as ref_mixer
     rng = np.random.default_rng()
@@ -74,7 +75,7 @@ def test_sparsemixer_matches_reference():
     logits[8:16, 3] = logits[8:16, 7] + rng.uniform(0, 0.01, 8).astype(np.float32)
     for eps in (0.01, 0.3):
         w_ref, ids_ref = ref_mixer(torch.tensor(logits), jitter_eps=eps, training=False)
-        ids, w = sparsemixer(logits, eps)
+        ids, w = ref.router_sparsemixer(logits, eps)
         assert np.array_equal(ids, ids_ref.numpy())
         assert np.allclose(w, w_ref.numpy(), rtol=1e-6, atol=1e-7)
 

@@ -70,27 +70,6 @@ def dense_spec(c: PhimoeConfig) -> dict[str, tuple]:
 expert_spec = base.expert_spec
 
 
-def sparsemixer(logits: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """The reference's inference routing: logits [T, E] -> ids int32 [T, 2], weights f32 [T, 2]."""
-    s = np.asarray(logits, np.float32)
-    rows = np.arange(s.shape[0])
-    ids, wts = [], []
-    masked = s
-    for _ in range(2):
-        e = np.argmax(masked, -1)
-        top = masked[rows, e][:, None]
-        factor = np.maximum(np.abs(s), top)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            far = (top - s) / factor > np.float32(2 * eps)
-        g = np.where(far, np.float32(-np.inf), masked)
-        g = np.exp(g - top)
-        wts.append((g[rows, e] / g.sum(-1)).astype(np.float32))
-        ids.append(e)
-        masked = masked.copy()
-        masked[rows, e] = -np.inf
-    return np.stack(ids, -1).astype(np.int32), np.stack(wts, -1)
-
-
 class PhimoeDecoder(MoeDecoder):
     def norm(self, x, key: str, l: int | None = None):
         """LayerNorm with bias."""
@@ -124,7 +103,7 @@ class PhimoeDecoder(MoeDecoder):
         return a
 
     def route(self, l: int, h):
-        return sparsemixer(self.ops.linear(h, self.w("router", l)), self.c.jitter_eps)
+        return self.ops.router_sparsemixer(self.ops.linear(h, self.w("router", l)), self.c.jitter_eps)
 
 
 Model = PhimoeDecoder
