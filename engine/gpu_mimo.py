@@ -16,28 +16,21 @@ from __future__ import annotations
 from numba import cuda
 
 from engine.gpu import GpuDecoder, _partials, pick_prefill_chunk, run_state_bytes  # noqa: F401
+from engine.gpu import dense_keys as _base_dense_keys
 from engine.models.mimo_v2_flash import MimoWeights
 from kernels_numba import gpu_attention as ga
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
 
 
-def dense_keys(c) -> list:
-    """(key, layer) of every device weight the decoder reads."""
-    keys = [("embed", None), ("final_norm", None)]
-    if not c.tie_embeddings:
-        keys.append(("lm_head", None))
-    for l in range(c.n_layers):
-        keys += [(k, l) for k in ("attn_norm", "mlp_norm", "q", "k", "v", "o")]
-        keys += [("sinks", l)] if l in c.sink_layers else []
-        keys += [(k, l) for k in (("router", "router_bias") if l in c.moe_layers else ("mlp_gate", "mlp_up", "mlp_down"))]
-    return keys
-
-
 class GpuMimoDecoder(GpuDecoder):
     def __init__(self, c, weight, *args, **kw):
         super().__init__(c, MimoWeights(c, weight), *args, **kw)
         self.freqs = [cuda.to_device(r.inv_freq()) for r in c.layer_ropes]
+
+    @staticmethod
+    def dense_keys(c) -> list:
+        return _base_dense_keys(c, extra_per_layer=lambda l: ("sinks",) if l in c.sink_layers else ())
 
     def _attention(self, l, b, t, st):
         c, cs = self.c, self.cs
