@@ -1121,6 +1121,19 @@ class GpuDecoder:
         k3 = k.reshape(t, c.n_kv_heads, c.head_dim)
         v3 = v.reshape(t, c.n_kv_heads, c.head_dim)
         pos = b.pos[:t]
+        self._rotate_store(l, q3, k3, v3, pos, st)
+        att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
+        ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
+                     _partials(b.partials, t, c.n_heads), cs,
+                     c.layer_windows[l] if c.layer_windows else c.sliding_window,
+                     sinks=self._sinks(l))
+        return b.att[:t]
+
+    def _rotate_store(self, l, q3, k3, v3, pos, st):
+        """Layer l's RoPE of q3 [T, Hq, D] and k3 [T, Hkv, D] (none in a NoPE layer; the
+        per-head q / k norms where the config has them), then k3 and v3 into its cache at pos:
+        the part of _attend a family with its own rotation overrides (gpu_llama4, gpu_mimo)."""
+        c, cs = self.c, self.cs
         freq, scale = self.inv_freq, c.rope.attention_factor
         if l in c.nope_layers:
             freq, scale = self.no_freq, 1.0
@@ -1135,13 +1148,10 @@ class GpuDecoder:
                     a2 = a.reshape(-1, c.head_dim)
                     gd.rmsnorm(a2, self.w(key, l), c.rms_eps, a2, cs)
             gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
-        att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
-        oss = clamped(c)
-        ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
-                     _partials(b.partials, t, c.n_heads), cs,
-                     c.layer_windows[l] if c.layer_windows else c.sliding_window,
-                     sinks=self.w("sinks", l) if oss else None)
-        return b.att[:t]
+
+    def _sinks(self, l):
+        """Layer l's attention-sink logits [Hq] on the device, or None: gpt-oss's."""
+        return self.w("sinks", l) if clamped(self.c) else None
 
     def _mlp_in(self, l, b, t):
         """The MLP's input, mlp_norm(x), in b.h (returned)."""
