@@ -65,6 +65,45 @@ def raw_act(c) -> bool:
             or c.routing == "sigmoid_input")
 
 
+def dense_keys(c, extra_per_layer=(), attn=None) -> list:
+    """(engine key, layer) of every dense weight a CUDA decoder uploads (GpuDecoder.upload_all):
+    embed, final_norm, lm_head unless tied; a layer's norms, its attention weights, the family's
+    extra_per_layer, then its router (bias, shared expert) or dense MLP. attn: a layer's attention
+    weights where the family derives its own (default: q / k / v / o and what the config adds:
+    biases, q / k norms, gpt-oss's sinks). attn and extra_per_layer: keys, or a function of the
+    layer giving them. The config-given keys must be the family's names (engine/names.py)."""
+    from engine.models.cohere2_moe import Cohere2MoeConfig
+    from engine.names import NAMES
+    oss = clamped(c)   # gpt-oss: o bias, sinks, router bias
+    parallel = isinstance(c, Cohere2MoeConfig)   # one norm a layer (engine/gpu_cohere.py)
+    glob = [("embed", None), ("final_norm", None)] + ([] if c.tie_embeddings else [("lm_head", None)])
+    norms = ["attn_norm"] + ([] if parallel else ["mlp_norm"])
+    named = [k for k, _ in glob] + norms
+    if attn is None:
+        attn = ["q", "k", "v", "o"]
+        if c.attention_bias:
+            attn += ["q_bias", "k_bias", "v_bias"] + (["o_bias"] if oss else [])
+        if c.qk_norm != "none":
+            attn += ["q_norm", "k_norm"]
+        attn += ["sinks"] if oss else []
+        named += attn
+    moe = ["router"] + (["router_bias"] if c.routing in ("sigmoid", "softmax_bias") or oss else []) + \
+        (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else []) + \
+        (["shared_expert_gate"] if c.shared_intermediate and c.shared_gated else [])
+    mlp = ["mlp_gate", "mlp_up", "mlp_down"]
+    named += (moe if c.moe_layers else []) + (mlp if len(c.moe_layers) < c.n_layers else [])
+    assert all(k in NAMES[c.family] for k in named), [k for k in named if k not in NAMES[c.family]]
+    keys = list(glob)
+    for l in range(c.n_layers):
+        per = norms + list(attn(l) if callable(attn) else attn)
+        per += list(extra_per_layer(l) if callable(extra_per_layer) else extra_per_layer)
+        per += moe if l in c.moe_layers else mlp
+        keys += [(k, l) for k in per]
+    if oss:   # the per-expert biases as one [E, 2I + H] array a layer (GpuDecoder._host_array)
+        keys += [("expert_bias", l) for l in c.moe_layers]
+    return keys
+
+
 def run_state_bytes(c, t: int, max_context: int) -> int:
     """Device bytes of the activations for a prefill chunk of t tokens (Buffers below), the
     logits and the device sampler's scratch: what the planner reserves beside the KV cache."""
@@ -208,6 +247,7 @@ class GpuDecoder:
     rewinds = True    # resume_state may set pos back (the state is the KV cache alone)
     buffers_cls = Buffers       # run-state classes: engine/gpu_hybrid.py extends them
     state_cls = GpuRunState
+    dense_keys = staticmethod(dense_keys)   # what upload_all takes (c -> keys): a family's own added
 
     def __init__(self, c, weight, experts_host, plan, layout, on_route=None, prefill_batch: int = 32,
                  max_context: int = 4096, use_graphs: bool = True, speculate: bool = False,
@@ -1081,6 +1121,19 @@ class GpuDecoder:
         k3 = k.reshape(t, c.n_kv_heads, c.head_dim)
         v3 = v.reshape(t, c.n_kv_heads, c.head_dim)
         pos = b.pos[:t]
+        self._rotate_store(l, q3, k3, v3, pos, st)
+        att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
+        ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
+                     _partials(b.partials, t, c.n_heads), cs,
+                     c.layer_windows[l] if c.layer_windows else c.sliding_window,
+                     sinks=self._sinks(l))
+        return b.att[:t]
+
+    def _rotate_store(self, l, q3, k3, v3, pos, st):
+        """Layer l's RoPE of q3 [T, Hq, D] and k3 [T, Hkv, D] (none in a NoPE layer; the
+        per-head q / k norms where the config has them), then k3 and v3 into its cache at pos:
+        the part of _attend a family with its own rotation overrides (gpu_llama4, gpu_mimo)."""
+        c, cs = self.c, self.cs
         freq, scale = self.inv_freq, c.rope.attention_factor
         if l in c.nope_layers:
             freq, scale = self.no_freq, 1.0
@@ -1095,13 +1148,10 @@ class GpuDecoder:
                     a2 = a.reshape(-1, c.head_dim)
                     gd.rmsnorm(a2, self.w(key, l), c.rms_eps, a2, cs)
             gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
-        att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
-        oss = clamped(c)
-        ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
-                     _partials(b.partials, t, c.n_heads), cs,
-                     c.layer_windows[l] if c.layer_windows else c.sliding_window,
-                     sinks=self.w("sinks", l) if oss else None)
-        return b.att[:t]
+
+    def _sinks(self, l):
+        """Layer l's attention-sink logits [Hq] on the device, or None: gpt-oss's."""
+        return self.w("sinks", l) if clamped(self.c) else None
 
     def _mlp_in(self, l, b, t):
         """The MLP's input, mlp_norm(x), in b.h (returned)."""

@@ -18,23 +18,11 @@ import numpy as np
 from numba import cuda
 
 from engine.gpu import Buffers, GpuDecoder, pick_prefill_chunk  # noqa: F401
+from engine.gpu import dense_keys as _base_dense_keys
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from kernels_numba import gpu_deltanet as gdn
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
-
-
-def dense_keys(c) -> list:
-    """(key, layer) of every device weight the decoder reads."""
-    keys = [("embed", None), ("final_norm", None)]
-    if not c.tie_embeddings:
-        keys.append(("lm_head", None))
-    moe = ["router", "router_bias"] + (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else [])
-    for l in range(c.n_layers):
-        keys += [(k, l) for k in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q", "k", "v", "o",
-                                  "q_norm", "k_norm", "attn_gate")]
-        keys += [(k, l) for k in (moe if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
-    return keys
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
@@ -51,6 +39,10 @@ class AfmoeBuffers(Buffers):
 
 class GpuAfmoeDecoder(GpuDecoder):
     buffers_cls = AfmoeBuffers
+
+    @staticmethod
+    def dense_keys(c) -> list:
+        return _base_dense_keys(c, extra_per_layer=("post_attn_norm", "post_mlp_norm", "attn_gate"))
 
     def _embed(self, tok, x) -> None:
         super()._embed(tok, x)

@@ -26,6 +26,7 @@ import numpy as np
 from numba import cuda
 
 from engine.gpu import Buffers, GpuDecoder, GpuRunState, _partials
+from engine.gpu import dense_keys as _base_dense_keys
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.models.hybrid import FULL, LINEAR, qkvz_order
@@ -81,28 +82,6 @@ class HybridWeights:
         if key in ("dn_dt_bias", "dn_norm"):
             return _f32(raw(key, layer))
         return raw(key, layer)
-
-
-def dense_keys(c) -> list:
-    """(key, layer) of every device weight the hybrid decoder reads (HybridWeights' keys)."""
-    keys = [("embed", None), ("final_norm", None)]
-    if not c.tie_embeddings:
-        keys.append(("lm_head", None))
-    for l in range(c.n_layers):
-        keys += [("attn_norm", l), ("mlp_norm", l)]
-        if c.layer_types[l] == FULL:
-            keys += [(k, l) for k in ("attn_qgkv", "o", "q_norm", "k_norm")]
-        else:
-            keys += [(k, l) for k in ("dn_qkvz", "dn_ba", "dn_conv", "dn_neg_a", "dn_dt_bias",
-                                      "dn_norm", "dn_out")]
-        if l in c.moe_layers:
-            keys.append(("router", l))
-            if c.shared_intermediate:
-                keys += [(k, l) for k in ("shared_gate", "shared_up", "shared_down",
-                                          "shared_expert_gate")]
-        else:
-            keys += [(k, l) for k in ("mlp_gate", "mlp_up", "mlp_down")]
-    return keys
 
 
 def state_bytes(c, max_context: int, kv_itemsize: int = 4) -> int:
@@ -172,6 +151,12 @@ class GpuHybridDecoder(GpuDecoder):
     rewinds = False           # the recurrent state holds every position up to st.pos
     buffers_cls = HybridBuffers
     state_cls = GpuHybridState
+
+    @staticmethod
+    def dense_keys(c) -> list:   # HybridWeights' keys
+        return _base_dense_keys(c, attn=lambda l: (
+            ("attn_qgkv", "o", "q_norm", "k_norm") if c.layer_types[l] == FULL else
+            ("dn_qkvz", "dn_ba", "dn_conv", "dn_neg_a", "dn_dt_bias", "dn_norm", "dn_out")))
 
     def __init__(self, c, weight, *args, **kw):
         super().__init__(c, HybridWeights(c, weight), *args, **kw)

@@ -18,8 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from engine.gpu import GpuDecoder, _partials, pick_prefill_chunk, run_state_bytes  # noqa: F401
-from kernels_numba import gpu_attention as ga
+from engine.gpu import GpuDecoder, pick_prefill_chunk, run_state_bytes  # noqa: F401
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
 
@@ -29,17 +28,10 @@ class GpuLlama4Decoder(GpuDecoder):
         super().__init__(c, *args, **kw)
         self.unit = cuda.to_device(np.ones(c.head_dim, np.float32))   # the weightless norms'
 
-    def _attention(self, l, b, t, st):
+    def _rotate_store(self, l, q3, k3, v3, pos, st):
+        """A NoPE layer scales its queries by position and rotates nothing; a RoPE layer with
+        use_qk_norm norms q and k a head without a weight, rotates and stores in one launch."""
         c, cs = self.c, self.cs
-        x = b.x[:t]
-        q, k, v = self._qkv(l, b, t)
-        if c.attention_bias:
-            for a, key in ((q, "q_bias"), (k, "k_bias"), (v, "v_bias")):
-                gm.add_rows(a, self.w(key, l), cs)
-        q3 = q.reshape(t, c.n_heads, c.head_dim)
-        k3 = k.reshape(t, c.n_kv_heads, c.head_dim)
-        v3 = v.reshape(t, c.n_kv_heads, c.head_dim)
-        pos = b.pos[:t]
         if l in c.nope_layers:
             if c.temperature:
                 gm.query_temperature(q3, pos, c.floor_scale, c.attn_scale, cs)
@@ -48,10 +40,4 @@ class GpuLlama4Decoder(GpuDecoder):
             gd.qk_norm_rope(q3, k3, self.unit, self.unit, c.rms_eps, pos, self.inv_freq, 1.0, cs,
                             cache=(v3, st.k[l], st.v[l]))
         else:
-            gd.rope(q3, pos, self.inv_freq, cs, c.rope.attention_factor)
-            gd.rope(k3, pos, self.inv_freq, cs, c.rope.attention_factor)
-            gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
-        att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
-        ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
-                     _partials(b.partials, t, c.n_heads), cs, 0)
-        self._linear_add(self.w("o", l), b.att[:t], b.o[:t], x)
+            super()._rotate_store(l, q3, k3, v3, pos, st)

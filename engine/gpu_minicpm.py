@@ -13,6 +13,7 @@ import numpy as np
 from numba import cuda
 
 from engine.gpu import Buffers, GpuDecoder, pick_prefill_chunk  # noqa: F401
+from engine.gpu import dense_keys as _base_dense_keys
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from engine.models.minicpm5_moe import split_query_gate
 from kernels_numba import gpu_deltanet as gdn
@@ -30,15 +31,6 @@ class MinicpmWeights:
         return self._done[layer][key == "attn_gate"]
 
 
-def dense_keys(c) -> list:
-    keys = [("embed", None), ("final_norm", None)] + ([] if c.tie_embeddings else [("lm_head", None)])
-    moe = ["router", "router_bias"] + (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else [])
-    for l in range(c.n_layers):
-        keys += [(k, l) for k in ("attn_norm", "mlp_norm", "q", "k", "v", "o", "attn_gate")]
-        keys += [(k, l) for k in (moe if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
-    return keys
-
-
 def run_state_bytes(c, t: int, max_context: int) -> int:
     return _base_run_state_bytes(c, t, max_context) + 4 * t * c.q_dim
 
@@ -54,6 +46,10 @@ class GpuMinicpmDecoder(GpuDecoder):
 
     def __init__(self, c, weight, *args, **kw):
         super().__init__(c, MinicpmWeights(c, weight), *args, **kw)
+
+    @staticmethod
+    def dense_keys(c) -> list:
+        return _base_dense_keys(c, extra_per_layer=("attn_gate",))   # q_proj's gate rows (MinicpmWeights)
 
     def _qkv(self, l, b, t, fuse_norm: bool = True):
         return super()._qkv(l, b, t, fuse_norm=False)   # h kept: the gate reads it

@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda
 
 from engine.gpu import Buffers, GpuDecoder, GpuRunState, _partials, fused_rows
+from engine.gpu import dense_keys as _base_dense_keys
 from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from engine.models.deepseek_v3 import LATENT_EPS
@@ -47,23 +48,6 @@ def _q_rows(c) -> np.ndarray:
 
 def _kv_a_rows(c) -> np.ndarray:
     return np.concatenate([np.arange(c.kv_lora_rank), c.kv_lora_rank + rot_order(c)])
-
-
-def dense_keys(c) -> list:
-    """(key, layer) of every device weight the MLA decoder reads."""
-    keys = [("embed", None), ("final_norm", None)]
-    if not c.tie_embeddings:
-        keys.append(("lm_head", None))
-    attn = ["attn_norm", "mlp_norm", "kv_a", "kv_a_norm", "kv_b", "o"]
-    attn += ["q_a", "q_a_norm", "q_b"] if c.q_lora_rank else ["q"]
-    if c.attention_bias:
-        attn += ["kv_a_bias", "o_bias"] + (["q_a_bias"] if c.q_lora_rank else [])
-    moe = ["router"] + (["router_bias"] if c.routing == "sigmoid" else []) + \
-        (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else [])
-    for l in range(c.n_layers):
-        keys += [(k, l) for k in attn]
-        keys += [(k, l) for k in (moe if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
-    return keys
 
 
 def _extra_floats(c, t: int) -> int:
@@ -130,6 +114,13 @@ class GpuMlaDecoder(GpuDecoder):
     fuse_qkv = False
     buffers_cls = MlaBuffers
     state_cls = MlaRunState
+
+    @staticmethod
+    def dense_keys(c) -> list:
+        attn = ["kv_a", "kv_a_norm", "kv_b", "o"] + (["q_a", "q_a_norm", "q_b"] if c.q_lora_rank else ["q"])
+        if c.attention_bias:
+            attn += ["kv_a_bias", "o_bias"] + (["q_a_bias"] if c.q_lora_rank else [])
+        return _base_dense_keys(c, attn=attn)
 
     def w(self, key: str, layer: int | None = None):
         """As GpuDecoder.w; q_a and kv_a are row ranges of one matrix where fuse_qa()."""

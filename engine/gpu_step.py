@@ -21,6 +21,7 @@ import numpy as np
 from numba import cuda
 
 from engine.gpu import Buffers, GpuDecoder, _partials, as_f32
+from engine.gpu import dense_keys as _base_dense_keys
 from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from engine.models.step3p5 import NORMS
@@ -48,20 +49,6 @@ class StepWeights:
         if key == "qkvg":
             return np.concatenate([np.asarray(self.raw(k, layer)) for k in PARTS])
         return self.raw(key, layer, *rest)
-
-
-def dense_keys(c) -> list:
-    """(key, layer) of every device weight the decoder reads (StepWeights' keys)."""
-    keys = [("embed", None), ("final_norm", None)]
-    if not c.tie_embeddings:
-        keys.append(("lm_head", None))
-    for l in range(c.n_layers):
-        keys += [(k, l) for k in ("attn_norm", "mlp_norm", "qkvg", "o", "q_norm", "k_norm")]
-        if l in c.moe_layers:
-            keys += [(k, l) for k in ("router", "router_bias", "shared_gate", "shared_up", "shared_down")]
-        else:
-            keys += [(k, l) for k in ("mlp_gate", "mlp_up", "mlp_down")]
-    return keys
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
@@ -100,6 +87,10 @@ class GpuStepDecoder(GpuDecoder):
         for hq in c.layer_heads:
             ends = np.cumsum([hq * c.head_dim, c.kv_dim, c.kv_dim, hq])
             self._parts.append(dict(zip(PARTS, zip(np.r_[0, ends[:-1]], ends))))
+
+    @staticmethod
+    def dense_keys(c) -> list:
+        return _base_dense_keys(c, attn=("qkvg", "o", "q_norm", "k_norm"))   # StepWeights' keys
 
     def w(self, key: str, layer: int | None = None):
         if key in PARTS:

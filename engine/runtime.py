@@ -181,59 +181,6 @@ class CheckpointBlocks:
         return encode_expert_block("bf16", self.layout, g, u, d, f"layer {layer} expert {expert}")
 
 
-def _dense_keys(c):
-    """(engine key, layer) of every dense weight the CUDA decoder uploads: the checkpoint's for a
-    llama-like family, the hybrid decoder's derived layouts for a hybrid one."""
-    from engine.models.hybrid import HybridConfig
-    from engine.names import NAMES
-    from engine.models.deepseek_v3 import DeepseekV3Config
-    if isinstance(c, HybridConfig):
-        from engine.gpu_hybrid import dense_keys
-        return dense_keys(c)
-    if isinstance(c, DeepseekV3Config):   # multi-head latent attention: engine/gpu_mla.py
-        from engine.gpu_mla import dense_keys
-        return dense_keys(c)
-    from engine.models.step3p5 import Step3p5Config
-    if isinstance(c, Step3p5Config):   # Step-3.5's attention: engine/gpu_step.py
-        from engine.gpu_step import dense_keys
-        return dense_keys(c)
-    from engine.models.mimo_v2_flash import MimoV2FlashConfig
-    if isinstance(c, MimoV2FlashConfig):   # sinks in the sliding layers: engine/gpu_mimo.py
-        from engine.gpu_mimo import dense_keys
-        return dense_keys(c)
-    from engine.models.afmoe import AfmoeConfig
-    if isinstance(c, AfmoeConfig):   # the post norms and the output gate: engine/gpu_afmoe.py
-        from engine.gpu_afmoe import dense_keys
-        return dense_keys(c)
-    from engine.models.minicpm5_moe import Minicpm5MoeConfig
-    if isinstance(c, Minicpm5MoeConfig):   # q_proj split into query and gate: engine/gpu_minicpm.py
-        from engine.gpu_minicpm import dense_keys
-        return dense_keys(c)
-    keys = [("embed", None), ("final_norm", None)]
-    if not c.tie_embeddings:
-        keys.append(("lm_head", None))
-    from engine.gpu import clamped
-    oss = clamped(c)   # gpt-oss: o bias, sinks, router bias (engine/gpu.py clamped)
-    from engine.models.cohere2_moe import Cohere2MoeConfig
-    parallel = isinstance(c, Cohere2MoeConfig)   # one norm a layer (engine/gpu_cohere.py)
-    per = ["attn_norm"] + ([] if parallel else ["mlp_norm"]) + ["q", "k", "v", "o"]
-    if c.attention_bias:
-        per += ["q_bias", "k_bias", "v_bias"] + (["o_bias"] if oss else [])
-    if c.qk_norm != "none":
-        per += ["q_norm", "k_norm"]
-    per += ["sinks"] if oss else []
-    moe = ["router"] + (["router_bias"] if c.routing in ("sigmoid", "softmax_bias") or oss else []) + \
-        (["shared_gate", "shared_up", "shared_down"] if c.shared_intermediate else []) + \
-        (["shared_expert_gate"] if c.shared_intermediate and c.shared_gated else [])
-    for l in range(c.n_layers):
-        keys += [(k, l) for k in per]
-        keys += [(k, l) for k in (moe if l in c.moe_layers else ["mlp_gate", "mlp_up", "mlp_down"])]
-    assert all(k in NAMES[c.family] for k, _ in keys)
-    if oss:   # the per-expert biases as one [E, 2I + H] array a layer (GpuDecoder._host_array)
-        keys += [("expert_bias", l) for l in c.moe_layers]
-    return keys
-
-
 class TraceRecorder:
     """Collects the routed expert ids of every token and MoE layer: int32 [T, L_moe, K]."""
 
@@ -503,7 +450,7 @@ class Engine:
         dec = Decoder(c, self._weight, host, p, layout, on_route, prefill_batch,
                       max_context=self.max_context, speculate=speculate, prefill_chunk=chunk,
                       kv_dtype=np.uint16 if self.kv_cache == "bf16" else np.float32)
-        dec.upload_all([(k, l) for k, l in _dense_keys(c)])
+        dec.upload_all(Decoder.dense_keys(c))
         if hot_from:
             from engine.profile import RoutingProfile
             prof = RoutingProfile.load(hot_from, c.n_layers, c.n_experts)
