@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, need
+from engine.models.base import MoeConfig, MoeDecoder, layer_list, need
 from engine.models.glm4_moe import sigmoid_moe, with_experts
 from engine.models.rope import ConfigError, RopeConfig
 from engine.names import name
@@ -46,16 +46,12 @@ class MimoV2FlashConfig(MoeConfig):
         types = cfg.get("layer_types")
         if types is None and cfg.get("hybrid_layer_pattern") is not None:   # the release's spelling
             types = [SLIDING if x else FULL for x in cfg["hybrid_layer_pattern"]]
-        types = list(types or [FULL if i == 0 or not (i + 1) % 6 else SLIDING for i in range(n)])
+        types = layer_list("layer_types", types or [FULL if i == 0 or not (i + 1) % 6 else SLIDING for i in range(n)],
+                           n, (SLIDING, FULL))
         mlp = cfg.get("mlp_layer_types")
         if mlp is None and cfg.get("moe_layer_freq") is not None:
             mlp = ["sparse" if x else "dense" for x in cfg["moe_layer_freq"]]
-        mlp = list(mlp or ["dense"] + ["sparse"] * (n - 1))
-        for field, got, allowed in (("layer_types", types, (SLIDING, FULL)),
-                                    ("mlp_layer_types", mlp, ("dense", "sparse"))):
-            if len(got) != n or any(t not in allowed for t in got):
-                raise ConfigError(f"config.json: {field} must give each of the {n} layers one of "
-                                  f"{', '.join(allowed)}; got {got}")
+        mlp = layer_list("mlp_layer_types", mlp or ["dense"] + ["sparse"] * (n - 1), n, ("dense", "sparse"))
         d, dv = int(cfg.get("head_dim") or 192), int(cfg.get("v_head_dim") or 128)
         kv = int(cfg.get("num_key_value_heads") or 4)
         swa_kv = cfg.get("swa_num_key_value_heads")

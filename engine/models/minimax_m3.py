@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import IndexKeys, MoeConfig, MoeDecoder, RunState, need, text_config
+from engine.models.base import IndexKeys, MoeConfig, MoeDecoder, RunState, layer_list, need, text_config
 from engine.models.rope import ConfigError, declared_partial
 from engine.names import name
 
@@ -55,17 +55,11 @@ class MinimaxM3Config(MoeConfig):
         types = cfg.get("layer_types")
         if types is None and "sparse_attention_freq" in sparse_cfg:
             types = [SPARSE if x else "full_attention" for x in sparse_cfg["sparse_attention_freq"]]
-        types = list(types or ["full_attention"] * n)
-        if len(types) != n or any(t not in (SPARSE, "full_attention") for t in types):
-            raise ConfigError(f"config.json: layer_types must give each of the {n} layers full_attention "
-                              f"or {SPARSE}; got {types}")
+        types = layer_list("layer_types", types or ["full_attention"] * n, n, ("full_attention", SPARSE))
         mlp = cfg.get("mlp_layer_types")
         if mlp is None and cfg.get("moe_layer_freq") is not None:
             mlp = ["sparse" if x else "dense" for x in cfg["moe_layer_freq"]]
-        mlp = list(mlp or ["sparse"] * n)
-        if len(mlp) != n or any(t not in ("sparse", "dense") for t in mlp):
-            raise ConfigError(f"config.json: mlp_layer_types must give each of the {n} layers sparse or "
-                              f"dense; got {mlp}")
+        mlp = layer_list("mlp_layer_types", mlp or ["sparse"] * n, n, ("sparse", "dense"))
         index = {k: sparse_cfg.get(old, cfg.get(k, default)) for k, old, default in (
             ("index_n_heads", "sparse_num_index_heads", 4), ("index_head_dim", "sparse_index_dim", 128),
             ("index_block_size", "sparse_block_size", 128), ("index_topk_blocks", "sparse_topk_blocks", 16),
