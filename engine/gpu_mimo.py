@@ -2,9 +2,9 @@
 as engine/models/mimo_v2_flash.py (the CPU backend).
 
 What changes against GpuDecoder:
-- weights: a full layer's K and V rows repeated to the sliding layers' KV heads and V zero-padded
-  to head_dim (mimo_v2_flash.MimoWeights, before q | k | v are fused): one cache and one
-  attention kernel for both layer kinds.
+- weights: a full layer's K and V rows come repeated to the sliding layers' KV heads and V
+  zero-padded to head_dim (mimo_v2_flash.dense_view, at load for both backends; q | k | v fused
+  from them): one cache and one attention kernel for both layer kinds.
 - attention a layer: its RoPE table (a theta a layer kind), its window, the sliding layers'
   sinks; then each head's first v_head_dim values times attention_value_scale
   (gm.head_prefix, into b.q, free by then) go to o_proj.
@@ -16,7 +16,6 @@ from __future__ import annotations
 from numba import cuda
 
 from engine.gpu import GpuDecoder, _partials, pick_prefill_chunk, run_state_bytes  # noqa: F401
-from engine.models.mimo_v2_flash import MimoWeights
 from kernels_numba import gpu_attention as ga
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
@@ -36,7 +35,7 @@ def dense_keys(c) -> list:
 
 class GpuMimoDecoder(GpuDecoder):
     def __init__(self, c, weight, *args, **kw):
-        super().__init__(c, MimoWeights(c, weight), *args, **kw)
+        super().__init__(c, weight, *args, **kw)
         self.freqs = [cuda.to_device(r.inv_freq()) for r in c.layer_ropes]
 
     def _attention(self, l, b, t, st):
