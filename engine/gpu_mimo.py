@@ -2,9 +2,9 @@
 as engine/models/mimo_v2_flash.py (the CPU backend).
 
 What changes against GpuDecoder:
-- weights: a full layer's K and V rows repeated to the sliding layers' KV heads and V zero-padded
-  to head_dim (mimo_v2_flash.MimoWeights, before q | k | v are fused): one cache and one
-  attention kernel for both layer kinds.
+- weights: a full layer's K and V rows come repeated to the sliding layers' KV heads and V
+  zero-padded to head_dim (mimo_v2_flash.dense_view, at load for both backends; q | k | v fused
+  from them): one cache and one attention kernel for both layer kinds.
 - attention a layer (GpuDecoder._attend through its hooks): its RoPE table (a theta a layer
   kind: _rotate_store), its window, the sliding layers' sinks (_sinks); then each head's first
   v_head_dim values times attention_value_scale (gm.head_prefix, into b.q, free by then) go to
@@ -18,14 +18,13 @@ from numba import cuda
 
 from engine.gpu import GpuDecoder, pick_prefill_chunk, run_state_bytes  # noqa: F401
 from engine.gpu import dense_keys as _base_dense_keys
-from engine.models.mimo_v2_flash import MimoWeights
 from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
 
 
 class GpuMimoDecoder(GpuDecoder):
     def __init__(self, c, weight, *args, **kw):
-        super().__init__(c, MimoWeights(c, weight), *args, **kw)
+        super().__init__(c, weight, *args, **kw)
         self.freqs = [cuda.to_device(r.inv_freq()) for r in c.layer_ropes]
 
     @staticmethod

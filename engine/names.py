@@ -4,6 +4,8 @@ Templates take {l} (layer) and {e} (expert); experts are addressed as (layer, ex
 """
 from __future__ import annotations
 
+import re
+
 _LLAMA_LIKE = {
     "embed": "model.embed_tokens.weight",
     "final_norm": "model.norm.weight",
@@ -254,6 +256,18 @@ NAMES: dict[str, dict[str, str]] = {
 
 def name(family: str, key: str, layer: int | None = None, expert: int | None = None) -> str:
     return NAMES[family][key].format(l=layer, e=expert)
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def key_of(family: str, n: str, keys) -> tuple[str, int | None] | None:
+    """(key, layer) of dense checkpoint name n where it is one of `keys` (name()'s inverse, for a
+    family's dense_view), else None."""
+    m = _LAYER.search(n)
+    layer = int(m.group(1)) if m else None
+    table = NAMES[family]
+    return next(((k, layer) for k in keys if k in table and name(family, k, layer) == n), None)
 
 
 def expert_names(family: str, layer: int, expert: int) -> tuple[str, str, str]:

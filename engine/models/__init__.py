@@ -4,7 +4,8 @@ A family module provides: `Config` (a frozen dataclass with from_hf(config_json_
 (the forward pass over backend ops), `dense_spec(config)` and `expert_spec(config)` (every tensor
 it reads, name -> shape: the completeness contract the loader checks); optionally
 `dense_view(config, name, array)`, a checkpoint's dense tensor in the layout both backends'
-decoders read (a release that stores one transposed).
+decoders read, applied once at load (a release that stores one transposed; a layout the
+decoders share: MiMo-V2-Flash's K / V rows in its cache's layout, MiniMax-M3's norms as 1 + w).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, check_room, need
+from engine.models.base import MoeConfig, MoeDecoder, check_room, layer_list, need
 from engine.models.rope import ConfigError
 from engine.names import name
 
@@ -34,10 +34,8 @@ class AfmoeConfig(MoeConfig):
         cfg = dict(cfg)
         n = int(need(cfg, "num_hidden_layers"))
         every = int(cfg.get("global_attn_every_n_layers") or 4)
-        types = list(cfg.get("layer_types") or [SLIDING if (i + 1) % every else FULL for i in range(n)])
-        if len(types) != n or any(t not in (SLIDING, FULL) for t in types):
-            raise ConfigError(f"config.json: layer_types must give each of the {n} layers {SLIDING} or {FULL}; "
-                              f"got {types}")
+        types = layer_list("layer_types", cfg.get("layer_types") or [SLIDING if (i + 1) % every else FULL
+                                                                     for i in range(n)], n, (SLIDING, FULL))
         for key, want in (("attention_bias", False), ("score_func", "sigmoid"), ("route_norm", True),
                           ("n_group", 1), ("topk_group", 1)):
             if key in cfg and cfg[key] is not None and cfg[key] != want:

@@ -34,6 +34,34 @@ def text_config(cfg: dict, family: str, wrapper: str, inherited=("eos_token_id",
     return text
 
 
+def layer_list(field: str, got, n: int, allowed) -> list:
+    """A per-layer list of config.json's `field` (got: its value, defaults applied) as a list:
+    n entries, each one of `allowed`; else a ConfigError naming the field and what it expects."""
+    want = f"config.json: {field} must give each of the {n} layers one of {', '.join(map(str, allowed))}"
+    if not isinstance(got, (list, tuple)) or len(got) != n:
+        raise ConfigError(f"{want}; got {got!r}, not a list" if not isinstance(got, (list, tuple)) else
+                          f"{want}; got {len(got)} entries: {list(got)}")
+    bad = next((l for l, v in enumerate(got) if v not in allowed), None)
+    if bad is not None:
+        raise ConfigError(f"{want}; got {got[bad]!r} at layer {bad}: {list(got)}")
+    return list(got)
+
+
+def uniform(cfg: dict, key: str, default=None):
+    """config.json's `key` given as one value or as a list of one value a layer (all equal): that
+    value (default where absent); a list whose entries differ is a ConfigError (the family runs
+    one value for every layer)."""
+    v = cfg.get(key, default)
+    if isinstance(v, (list, tuple)):
+        if not v:
+            raise ConfigError(f"config.json: {key} is an empty list; expected one value, or one a layer")
+        if any(x != v[0] for x in v):
+            raise ConfigError(f"config.json: {key} {list(v)} differs between layers; {cfg.get('model_type')} "
+                              "runs one value for every layer")
+        v = v[0]
+    return v
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """What a llama-like MoE decoder needs; family files build it in from_hf()."""

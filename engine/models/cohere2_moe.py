@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, check_room, need
+from engine.models.base import MoeConfig, MoeDecoder, check_room, layer_list, need
 from engine.models.rope import ConfigError
 from engine.names import name
 
@@ -49,10 +49,8 @@ class Cohere2MoeConfig(MoeConfig):
             [SLIDING if (i + 1) % prefix_pattern else FULL for i in range(first)]
             + [SLIDING if (i + 1) % pattern else FULL for i in range(n - first)])
         mlp = cfg.get("mlp_layer_types") or ["dense" if i < first else "sparse" for i in range(n)]
-        for field, got, allowed in (("layer_types", types, (SLIDING, FULL)), ("mlp_layer_types", mlp, ("dense", "sparse"))):
-            if len(got) != n or any(t not in allowed for t in got):
-                raise ConfigError(f"config.json: {field} must give each of the {n} layers one of "
-                                  f"{', '.join(allowed)}; got {got}")
+        types = layer_list("layer_types", types, n, (SLIDING, FULL))
+        mlp = layer_list("mlp_layer_types", mlp, n, ("dense", "sparse"))
         if SLIDING in types and not window:
             raise ConfigError(f"config.json: layer_types has {SLIDING} layers but sliding_window is {window!r}")
         strategy = cfg.get("shared_expert_combination_strategy", "average")

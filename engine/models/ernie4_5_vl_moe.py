@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import ernie4_5_moe
-from engine.models.base import MoeDecoder, expert_spec, text_config  # noqa: F401
+from engine.models.base import MoeDecoder, expert_spec, layer_list, text_config  # noqa: F401
 from engine.models.ernie4_5_moe import Ernie4_5MoeConfig
 from engine.models.rope import ConfigError, rope_params
 from engine.names import name
@@ -41,10 +41,8 @@ class Ernie4_5VLMoeConfig(Ernie4_5MoeConfig):
             if key in text:
                 text[key] = _text(text[key])
         n = int(text["num_hidden_layers"])
-        mlp = text.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
-        if len(mlp) != n or any(t not in ("dense", "sparse") for t in mlp):
-            raise ConfigError(f"config.json: mlp_layer_types must give each of the {n} layers dense or sparse; "
-                              f"got {mlp}")
+        mlp = layer_list("mlp_layer_types", text.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1), n,
+                         ("dense", "sparse"))
         c = Ernie4_5MoeConfig.from_hf(text)
         return cls(**{**c.__dict__, "raw": cfg, "moe_layers": tuple(l for l, t in enumerate(mlp) if t == "sparse"),
                       "ignored_parts": SKIPPED + c.ignored_parts})

@@ -15,19 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.models.base import MoeConfig, MoeDecoder, dense_spec, expert_spec, need  # noqa: F401
+from engine.models.base import MoeConfig, MoeDecoder, dense_spec, expert_spec, need, uniform  # noqa: F401
 from engine.models.rope import ConfigError
-
-
-def _uniform(cfg: dict, key: str, default=None):
-    """A field given as a value or as one value a layer (all equal), or default."""
-    v = cfg.get(key, default)
-    if isinstance(v, list):
-        if not v or any(x != v[0] for x in v):
-            raise ConfigError(f"config.json: {key} {v} differs between layers; hunyuan_v1_moe runs one value "
-                              "for every layer")
-        v = v[0]
-    return v
 
 
 @dataclass(frozen=True)
@@ -44,15 +33,15 @@ class HunyuanMoeConfig(MoeConfig):
                 raise ConfigError(f"config.json: {key} false is not supported for hunyuan_v1_moe "
                                   "(expected true, as Hunyuan-A13B)")
         inter = int(need(cfg, "intermediate_size"))
-        moe_i = _uniform(cfg, "moe_intermediate_size", inter)
+        moe_i = uniform(cfg, "moe_intermediate_size", inter)
         if int(moe_i) != inter:
             raise ConfigError(f"config.json: moe_intermediate_size {moe_i} differs from intermediate_size {inter}; "
                               "the reference gives its experts intermediate_size")
-        if int(_uniform(cfg, "num_shared_expert", 1)) != 1:
+        if int(uniform(cfg, "num_shared_expert", 1)) != 1:
             raise ConfigError(f"config.json: num_shared_expert {cfg['num_shared_expert']}; expected 1 (one "
                               "shared expert of intermediate_size, as the reference)")
-        cfg["num_experts"] = int(_uniform(cfg, "num_experts", None) or need(cfg, "num_experts"))
-        cfg.setdefault("num_experts_per_tok", _uniform(cfg, "moe_topk", 1))
+        cfg["num_experts"] = int(uniform(cfg, "num_experts", None) or need(cfg, "num_experts"))
+        cfg.setdefault("num_experts_per_tok", uniform(cfg, "moe_topk", 1))
         cfg.setdefault("rms_norm_eps", 1e-5)
         cfg.setdefault("head_dim", cfg.get("attention_head_dim"))
         params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}

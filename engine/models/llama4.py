@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, need, text_config
+from engine.models.base import MoeConfig, MoeDecoder, layer_list, need, text_config
 from engine.models.rope import ConfigError
 
 CHUNKED, FULL = "chunked_attention", "full_attention"
@@ -54,10 +54,8 @@ class Llama4Config(MoeConfig):
         rope = cfg.get("no_rope_layers") or [int((l + 1) % interval != 0) for l in range(n)]
         chunk = cfg.get("attention_chunk_size")
         types = cfg.get("layer_types") or [CHUNKED if r and chunk is not None else FULL for r in rope]
-        for field, got, ok in (("no_rope_layers", rope, lambda v: v in (0, 1)),
-                               ("layer_types", types, lambda v: v in (CHUNKED, FULL))):
-            if len(got) != n or not all(ok(v) for v in got):
-                raise ConfigError(f"config.json: {field} must give each of the {n} layers a value; got {got}")
+        rope = layer_list("no_rope_layers", rope, n, (0, 1))
+        types = layer_list("layer_types", types, n, (CHUNKED, FULL))
         if any(not 0 <= l < n for l in moe):
             raise ConfigError(f"config.json: moe_layers {list(moe)} must be layers of 0..{n - 1}")
         chunked = tuple(l for l, t in enumerate(types) if t == CHUNKED)

@@ -10,9 +10,9 @@ What differs from the llama-like decoder (engine/models/base.py):
 - DeepSeek-V3's routing (sigmoid, a selection bias, groups, scaled) without shared experts;
   dense layers by mlp_layer_types (the release: moe_layer_freq); the MTP layers skipped.
 The cache holds every layer at the sliding layers' KV heads and head_dim: a full layer's K and V
-rows are repeated to that count and V zero-padded to head_dim once, at load (MimoWeights), so one
-cache and one attention kernel serve both kinds; an output head's first v_head_dim values go to
-o_proj. Legend: D = head_dim, Dv = v_head_dim, Hq / Hkv = query / KV heads.
+rows are repeated to that count and V zero-padded to head_dim once, at load (dense_view, for both
+backends), so one cache and one attention kernel serve both kinds; an output head's first
+v_head_dim values go to o_proj. Legend: D = head_dim, Dv = v_head_dim, Hq / Hkv = query / KV heads.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, need
+from engine.models.base import MoeConfig, MoeDecoder, layer_list, need
 from engine.models.glm4_moe import sigmoid_moe, with_experts
 from engine.models.rope import ConfigError, RopeConfig
-from engine.names import name
+from engine.names import key_of, name
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _ROPE = {FULL: 5_000_000.0, SLIDING: 10_000.0}   # the reference's defaults
@@ -46,16 +46,12 @@ class MimoV2FlashConfig(MoeConfig):
         types = cfg.get("layer_types")
         if types is None and cfg.get("hybrid_layer_pattern") is not None:   # the release's spelling
             types = [SLIDING if x else FULL for x in cfg["hybrid_layer_pattern"]]
-        types = list(types or [FULL if i == 0 or not (i + 1) % 6 else SLIDING for i in range(n)])
+        types = layer_list("layer_types", types or [FULL if i == 0 or not (i + 1) % 6 else SLIDING for i in range(n)],
+                           n, (SLIDING, FULL))
         mlp = cfg.get("mlp_layer_types")
         if mlp is None and cfg.get("moe_layer_freq") is not None:
             mlp = ["sparse" if x else "dense" for x in cfg["moe_layer_freq"]]
-        mlp = list(mlp or ["dense"] + ["sparse"] * (n - 1))
-        for field, got, allowed in (("layer_types", types, (SLIDING, FULL)),
-                                    ("mlp_layer_types", mlp, ("dense", "sparse"))):
-            if len(got) != n or any(t not in allowed for t in got):
-                raise ConfigError(f"config.json: {field} must give each of the {n} layers one of "
-                                  f"{', '.join(allowed)}; got {got}")
+        mlp = layer_list("mlp_layer_types", mlp or ["dense"] + ["sparse"] * (n - 1), n, ("dense", "sparse"))
         d, dv = int(cfg.get("head_dim") or 192), int(cfg.get("v_head_dim") or 128)
         kv = int(cfg.get("num_key_value_heads") or 4)
         swa_kv = cfg.get("swa_num_key_value_heads")
@@ -117,25 +113,16 @@ def dense_spec(c: MimoV2FlashConfig) -> dict[str, tuple]:
 expert_spec = base.expert_spec
 
 
-class MimoWeights:
-    """weight(key, layer) -> the checkpoint's array, a layer's K and V rows in the cache's layout:
-    a full layer's KV heads repeated to the sliding layers' count, V heads zero-padded to
-    head_dim (made once a layer: they are small)."""
-
-    def __init__(self, c: MimoV2FlashConfig, weight):
-        self.c, self.raw, self._done = c, weight, {}
-
-    def __call__(self, key: str, layer: int | None = None, *rest):
-        if key not in ("k", "v"):
-            return self.raw(key, layer, *rest)
-        got = self._done.get((key, layer))
-        if got is None:
-            got = self._done[key, layer] = cache_rows(self.c, key, layer, np.asarray(self.raw(key, layer)))
-        return got
+def dense_view(c: MimoV2FlashConfig, n: str, a: np.ndarray) -> np.ndarray:
+    """Checkpoint tensor n as both backends read it: a layer's K and V rows in the cache's layout
+    (cache_rows: a full layer's KV heads repeated to the sliding layers' count, V heads
+    zero-padded to head_dim); the rest as stored."""
+    got = key_of(c.family, n, ("k", "v"))
+    return a if got is None else cache_rows(c, got[0], got[1], np.asarray(a))
 
 
 def cache_rows(c: MimoV2FlashConfig, key: str, l: int, a: np.ndarray) -> np.ndarray:
-    """k or v [kv * (D or Dv), H] of layer l -> [Hkv * D, H] (MimoWeights)."""
+    """k or v [kv * (D or Dv), H] of layer l -> [Hkv * D, H] (dense_view)."""
     kv = kv_heads(c, l)
     heads = a.reshape(kv, -1, a.shape[-1])
     if kv != c.n_kv_heads:   # query head g * rep + i reads KV head g // (Hkv / kv): repeat each
@@ -148,7 +135,7 @@ def cache_rows(c: MimoV2FlashConfig, key: str, l: int, a: np.ndarray) -> np.ndar
 
 class MimoV2FlashDecoder(MoeDecoder):
     def __init__(self, c: MimoV2FlashConfig, ops, weights, experts, on_route=None):
-        super().__init__(c, ops, MimoWeights(c, weights), experts, on_route)
+        super().__init__(c, ops, weights, experts, on_route)
         self.freqs = [r.inv_freq() for r in c.layer_ropes]
 
     def sinks(self, l: int):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, need
+from engine.models.base import MoeConfig, MoeDecoder, layer_list, need
 from engine.models.glm4_moe import sigmoid_moe, with_experts
 from engine.models.rope import ConfigError, rope_params
 from engine.names import name
@@ -34,10 +34,8 @@ class Minicpm5MoeConfig(MoeConfig):
             cfg["rope_theta"] = 5_000_000.0
         n = int(need(cfg, "num_hidden_layers"))
         first = int(cfg.get("first_k_dense_replace", 1) or 0)
-        mlp = cfg.get("mlp_layer_types") or ["dense" if i < first else "sparse" for i in range(n)]
-        if len(mlp) != n or any(t not in ("dense", "sparse") for t in mlp):
-            raise ConfigError(f"config.json: mlp_layer_types must give each of the {n} layers dense or sparse; "
-                              f"got {mlp}")
+        mlp = layer_list("mlp_layer_types", cfg.get("mlp_layer_types") or ["dense" if i < first else "sparse"
+                                                                           for i in range(n)], n, ("dense", "sparse"))
         f = MoeConfig.common_hf({**cfg, "partial_rotary_factor": 1.0})
         f.update(sigmoid_moe({**cfg, "routed_scaling_factor": cfg.get("routed_scaling_factor", 3.66)}, f,
                              first_dense=1, shared=1, norm=True))

@@ -2,7 +2,8 @@
 skipped). CPU backend.
 
 What differs from the llama-like decoder (engine/models/base.py):
-- every RMSNorm scales by 1 + w (q / k norms a head, the indexer's too);
+- every RMSNorm scales by 1 + w (q / k norms a head, the indexer's too): dense_view gives both
+  backends the norms' weights as 1 + w at load;
 - MoE: sigmoid scores, top-k of scores + bias, the chosen scores normalized, the routed sum
   times routed_scaling_factor; a shared expert; dense layers by mlp_layer_types; every MLP with
   gpt-oss's clamped SwiGLU ((u + 1) * g * sigmoid(alpha g), g <= limit, |u| <= limit; no biases);
@@ -21,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import IndexKeys, MoeConfig, MoeDecoder, RunState, need, text_config
+from engine.models.base import IndexKeys, MoeConfig, MoeDecoder, RunState, layer_list, need, text_config
 from engine.models.rope import ConfigError, declared_partial
-from engine.names import name
+from engine.names import key_of, name
 
 SPARSE = "minimax_m3_sparse"
 NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm", "idx_q_norm", "idx_k_norm")
@@ -55,17 +56,11 @@ class MinimaxM3Config(MoeConfig):
         types = cfg.get("layer_types")
         if types is None and "sparse_attention_freq" in sparse_cfg:
             types = [SPARSE if x else "full_attention" for x in sparse_cfg["sparse_attention_freq"]]
-        types = list(types or ["full_attention"] * n)
-        if len(types) != n or any(t not in (SPARSE, "full_attention") for t in types):
-            raise ConfigError(f"config.json: layer_types must give each of the {n} layers full_attention "
-                              f"or {SPARSE}; got {types}")
+        types = layer_list("layer_types", types or ["full_attention"] * n, n, ("full_attention", SPARSE))
         mlp = cfg.get("mlp_layer_types")
         if mlp is None and cfg.get("moe_layer_freq") is not None:
             mlp = ["sparse" if x else "dense" for x in cfg["moe_layer_freq"]]
-        mlp = list(mlp or ["sparse"] * n)
-        if len(mlp) != n or any(t not in ("sparse", "dense") for t in mlp):
-            raise ConfigError(f"config.json: mlp_layer_types must give each of the {n} layers sparse or "
-                              f"dense; got {mlp}")
+        mlp = layer_list("mlp_layer_types", mlp or ["sparse"] * n, n, ("sparse", "dense"))
         index = {k: sparse_cfg.get(old, cfg.get(k, default)) for k, old, default in (
             ("index_n_heads", "sparse_num_index_heads", 4), ("index_head_dim", "sparse_index_dim", 128),
             ("index_block_size", "sparse_block_size", 128), ("index_topk_blocks", "sparse_topk_blocks", 16),
@@ -112,6 +107,16 @@ def dense_spec(c: MinimaxM3Config) -> dict[str, tuple]:
 expert_spec = base.expert_spec
 
 
+def dense_view(c: MinimaxM3Config, n: str, a: np.ndarray) -> np.ndarray:
+    """Checkpoint tensor n as both backends read it: an RMSNorm's weight (NORMS) as 1 + w in
+    float32 (bf16 widened exactly); the rest as stored."""
+    if key_of(c.family, n, NORMS) is None:
+        return a
+    a = np.asarray(a)
+    w = (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
+    return w + np.float32(1)
+
+
 class M3State(IndexKeys, RunState):
     """The KV cache and the indexer's key rows ik [Ls, S_max, Di] of the sparse layers."""
 
@@ -123,18 +128,8 @@ class M3State(IndexKeys, RunState):
 class MinimaxM3Decoder(MoeDecoder):
     def __init__(self, c: MinimaxM3Config, ops, weights, experts, on_route=None):
         super().__init__(c, ops, weights, experts, on_route)
-        self._raw, self._norms = weights, {}
-        self.w = self._weight
         self.index_row = {l: i for i, l in enumerate(c.sparse_layers)}
         self._no_bias: dict = {}   # intermediate size -> zero (gate, up, down) biases
-
-    def _weight(self, key: str, layer: int | None = None, expert: int | None = None):
-        if key not in NORMS:
-            return self._raw(key, layer) if expert is None else self._raw(key, layer, expert)
-        got = self._norms.get((key, layer))
-        if got is None:
-            got = self._norms[key, layer] = np.asarray(self._raw(key, layer), np.float32) + np.float32(1)
-        return got
 
     def new_state(self, max_context: int) -> M3State:
         return M3State(self.ops, self.c, max_context)
