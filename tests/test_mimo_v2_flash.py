@@ -140,6 +140,7 @@ def test_config_read(tiny):
     (dict(v_head_dim=16), "v_head_dim=16 exceeds head_dim=12"),
     (dict(layer_types=["full_attention"] * 3), "layer_types must give each of the 7 layers"),
     (dict(add_full_attention_sink_bias=True), "add_full_attention_sink_bias"),
+    (dict(attention_bias=True), "attention_bias true is not supported for mimo_v2_flash"),
 ])
 def test_config_refused(fields, says):
     with pytest.raises(ConfigError, match=says):

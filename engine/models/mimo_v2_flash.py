@@ -60,6 +60,9 @@ class MimoV2FlashConfig(MoeConfig):
                               f"twice num_key_value_heads ({2 * kv})")
         if dv > d:
             raise ConfigError(f"config.json: v_head_dim={dv} exceeds head_dim={d}")
+        if cfg.get("attention_bias"):
+            raise ConfigError("config.json: attention_bias true is not supported for mimo_v2_flash (the release's "
+                              "projections have no biases)")
         if cfg.get("add_full_attention_sink_bias"):
             raise ConfigError("config.json: add_full_attention_sink_bias true is not supported (the reference's "
                               "full layers have no sinks)")
