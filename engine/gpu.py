@@ -605,8 +605,7 @@ class GpuDecoder:
             self.logits_d = cuda.device_array((max(n, 1), c.vocab_size), np.float32)
             self.logits_h = cuda.pinned_array((max(n, 1), c.vocab_size), np.float32)
             self._drop_graphs()   # captured graphs wrote into the old buffer
-        lw = self.w("embed") if c.tie_embeddings else self.w("lm_head")
-        self._linear(lw, hn, self.logits_d[:n])
+        self._lm_head(hn, self.logits_d[:n])
         if sample:
             self._seg_sample(0)
             cs.synchronize()
@@ -704,10 +703,13 @@ class GpuDecoder:
         gd.embed(tok, self.w("embed"), x, self.cs)
 
     def _seg_head(self):
-        b, c = self.one, self.c
+        b = self.one
         self._norm(b.x, self.w("final_norm"), b.h)
-        lw = self.w("embed") if c.tie_embeddings else self.w("lm_head")
-        self._linear(lw, b.h, self.logits_d[:1])
+        self._lm_head(b.h, self.logits_d[:1])
+
+    def _lm_head(self, h, logits) -> None:
+        """logits [N, V] of the normed rows h [N, H]."""
+        self._linear(self.w("embed") if self.c.tie_embeddings else self.w("lm_head"), h, logits)
 
     def _seg_logits(self):
         self.logits_d[:1].copy_to_host(self.logits_h[:1], stream=self.cs)

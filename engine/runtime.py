@@ -216,7 +216,22 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
                 "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe", "ernie4_5_vl_moe",
-                "minicpm5_moe")
+                "minicpm5_moe", "flex_olmo", "phimoe")
+
+# model_type -> (module of engine, class): the llama-like families whose cuda decoder is their own
+# (the hybrid and MLA ones are chosen by their configs' kind); any other runs engine/gpu.py's
+GPU_DECODERS = {
+    "step3p5": ("gpu_step", "GpuStepDecoder"), "step3p7": ("gpu_step", "GpuStepDecoder"),   # Step-3.5's attention
+    "cohere2_moe": ("gpu_cohere", "GpuCohereDecoder"),         # the parallel residual
+    "minimax_m3_vl": ("gpu_m3", "GpuM3Decoder"),               # clamped MLPs, dense attention to index_topk
+    "llama4": ("gpu_llama4", "GpuLlama4Decoder"),              # weightless q / k norms, NoPE temperature
+    "llama4_text": ("gpu_llama4", "GpuLlama4Decoder"),
+    "mimo_v2_flash": ("gpu_mimo", "GpuMimoDecoder"),           # narrow V heads, sinks a layer
+    "afmoe": ("gpu_afmoe", "GpuAfmoeDecoder"),                 # sandwich norms, the output gate
+    "minicpm5_moe": ("gpu_minicpm", "GpuMinicpmDecoder"),      # the gate from q_proj
+    "flex_olmo": ("gpu_flex_olmo", "GpuFlexOlmoDecoder"),      # norms after attention and the MLP only
+    "phimoe": ("gpu_phimoe", "GpuPhimoeDecoder"),              # LayerNorms with bias, sparsemixer routing
+}
 
 
 def pick_device(device: str, family: str) -> str:
@@ -390,37 +405,10 @@ class Engine:
             from engine import gpu_mla as g
             Decoder, kv = g.GpuMlaDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
         else:
-            from engine.models.cohere2_moe import Cohere2MoeConfig
-            from engine.models.afmoe import AfmoeConfig
-            from engine.models.llama4 import Llama4Config
-            from engine.models.minicpm5_moe import Minicpm5MoeConfig
-            from engine.models.mimo_v2_flash import MimoV2FlashConfig
-            from engine.models.minimax_m3 import MinimaxM3Config
-            from engine.models.step3p5 import Step3p5Config
-            if isinstance(c, Step3p5Config):   # Step-3.5's attention: engine/gpu_step.py
-                from engine import gpu_step as g
-                Decoder = g.GpuStepDecoder
-            elif isinstance(c, Cohere2MoeConfig):   # the parallel residual: engine/gpu_cohere.py
-                from engine import gpu_cohere as g
-                Decoder = g.GpuCohereDecoder
-            elif isinstance(c, MinimaxM3Config):   # (1 + w) norms, clamped MLPs: engine/gpu_m3.py
-                from engine import gpu_m3 as g
-                Decoder = g.GpuM3Decoder
-            elif isinstance(c, Llama4Config):   # weightless q / k norms, NoPE temperature
-                from engine import gpu_llama4 as g
-                Decoder = g.GpuLlama4Decoder
-            elif isinstance(c, MimoV2FlashConfig):   # narrow V heads, sinks a layer: engine/gpu_mimo.py
-                from engine import gpu_mimo as g
-                Decoder = g.GpuMimoDecoder
-            elif isinstance(c, AfmoeConfig):   # sandwich norms, the output gate: engine/gpu_afmoe.py
-                from engine import gpu_afmoe as g
-                Decoder = g.GpuAfmoeDecoder
-            elif isinstance(c, Minicpm5MoeConfig):   # the gate from q_proj: engine/gpu_minicpm.py
-                from engine import gpu_minicpm as g
-                Decoder = g.GpuMinicpmDecoder
-            else:
-                from engine import gpu as g
-                Decoder = g.GpuDecoder
+            import importlib
+            mod, cls = GPU_DECODERS.get(c.family, ("gpu", "GpuDecoder"))
+            g = importlib.import_module(f"engine.{mod}")
+            Decoder = getattr(g, cls)
             kv = 2 * c.n_layers * self.max_context * c.kv_dim * self.kv_itemsize
         chunk = g.pick_prefill_chunk(c, self.max_context, vram * 1e9)
         run_state = g.run_state_bytes(c, chunk, self.max_context)

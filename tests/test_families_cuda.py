@@ -120,7 +120,9 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "llama4": "GpuLlama4Decoder", "llama4_text": "GpuLlama4Decoder",   # tests/test_llama4.py
             "mimo_v2_flash": "GpuMimoDecoder",   # tests/test_mimo_v2_flash.py
             "afmoe": "GpuAfmoeDecoder",          # tests/test_afmoe.py
-            "minicpm5_moe": "GpuMinicpmDecoder"}   # tests/test_minicpm5.py
+            "minicpm5_moe": "GpuMinicpmDecoder",   # tests/test_minicpm5.py
+            "flex_olmo": "GpuFlexOlmoDecoder",     # tests/test_flex_olmo.py
+            "phimoe": "GpuPhimoeDecoder"}          # tests/test_phimoe.py
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))
