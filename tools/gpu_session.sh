@@ -233,6 +233,16 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          { run kern tests/test_cuda_kernels.py -k "limited and bf16"
            run fam tests/test_families_cuda.py -k "deepseek_v32 or glm_moe_dsa or exaone or hunyuan or solar"; } &
          wait ;;
+    s28) # this checkout's new cuda paths and the two families the machine's transformers 5.17 cannot
+         # build (2026-12-07, not yet run), all against the carried transformers 5.25 (.whl/tf,
+         # tools/fetch_wheels.sh): MiniMax-M3 and MiniCPM5-MoE beside FlexOlmo and Phi-3.5-MoE (their
+         # parity, graph replay and streaming) and the sparsemixer router kernel
+         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_tf \
+             .whl/tf/*.whl > "$OUT/tf.txt" 2>&1 || exit 1
+         export PYTHONPATH=/tmp/site_tf:$PYTHONPATH
+         { run m3 tests/test_minimax_m3.py; run cpm tests/test_minicpm5.py; } &
+         { run phi tests/test_phimoe.py; run kern tests/test_cuda_kernels.py -k sparsemixer; } &
+         run flex tests/test_flex_olmo.py & wait ;;
     newbench) # the new families' streaming decode at --vram-gb 8 --ram-gb 32 on synthetic arenas cut
          # to fit the disk (Hunyuan-A13B 16 of 32 layers, Llama-4-Scout 12 of 48, MiMo-V2-Flash 8 of 48),
          # one after another in what the call allows (2026-12-07, not yet run)
@@ -248,7 +258,7 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          timeout 90 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn \
              > "$OUT/bench.txt"
          LIMIT=${TEST_S:-150} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|s27b|newbench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|s27b|s28|newbench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
