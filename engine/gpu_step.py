@@ -2,7 +2,7 @@
 Step's attention. Same math as engine/models/step3p5.py (the CPU backend).
 
 What changes against GpuDecoder:
-- weights: the norms as (1 + w) in float32, made once at upload (StepWeights); q, k, v and the
+- weights: the norms as (1 + w) from step3p5.dense_view (at load, both backends); q, k, v and the
   per-head gate rows of a layer as one [Hq D + 2 Hkv D + Hq, H] matrix (one launch projects a
   decode token, attn_norm fused in).
 - attention a layer: its own query heads (sliding layers may have more or fewer: buffers are
@@ -20,11 +20,10 @@ import dataclasses
 import numpy as np
 from numba import cuda
 
-from engine.gpu import Buffers, GpuDecoder, _partials, as_f32
+from engine.gpu import Buffers, GpuDecoder, _partials
 from engine.gpu import dense_keys as _base_dense_keys
 from engine.gpu import pick_prefill_chunk as _base_pick_prefill_chunk
 from engine.gpu import run_state_bytes as _base_run_state_bytes
-from engine.models.step3p5 import NORMS
 from kernels_numba import gpu_attention as ga
 from kernels_numba import gpu_deltanet as gdn
 from kernels_numba import gpu_dense as gd
@@ -44,8 +43,6 @@ class StepWeights:
         self.c, self.raw = c, weight
 
     def __call__(self, key: str, layer: int | None = None, *rest) -> np.ndarray:
-        if key in NORMS:
-            return np.float32(1.0) + as_f32(self.raw(key, layer))
         if key == "qkvg":
             return np.concatenate([np.asarray(self.raw(k, layer)) for k in PARTS])
         return self.raw(key, layer, *rest)

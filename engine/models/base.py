@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.models.rope import ConfigError, RopeConfig, pair_rows
-from engine.names import expert_names, name
+from engine.names import expert_names, key_of, name
 
 
 def need(cfg: dict, *keys):
@@ -143,6 +143,16 @@ class MoeConfig:
             moe_layers=tuple(range(n_layers)),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             raw=cfg)
+
+
+def one_plus_view(family: str, n: str, a: np.ndarray, norms) -> np.ndarray:
+    """A family's dense_view for RMSNorms stored as offsets (the norm scales by 1 + w): the weight
+    of a key in norms as 1 + w in float32 (bf16 widened exactly); any other tensor as stored."""
+    if key_of(family, n, norms) is None:
+        return a
+    a = np.asarray(a)
+    w = (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
+    return w + np.float32(1)
 
 
 # ---- tensor spec ---------------------------------------------------------------------------

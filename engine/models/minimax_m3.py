@@ -24,7 +24,7 @@ import numpy as np
 from engine.models import base
 from engine.models.base import IndexKeys, MoeConfig, MoeDecoder, RunState, layer_list, need, text_config
 from engine.models.rope import ConfigError, declared_partial
-from engine.names import key_of, name
+from engine.names import name
 
 SPARSE = "minimax_m3_sparse"
 NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm", "idx_q_norm", "idx_k_norm")
@@ -108,13 +108,8 @@ expert_spec = base.expert_spec
 
 
 def dense_view(c: MinimaxM3Config, n: str, a: np.ndarray) -> np.ndarray:
-    """Checkpoint tensor n as both backends read it: an RMSNorm's weight (NORMS) as 1 + w in
-    float32 (bf16 widened exactly); the rest as stored."""
-    if key_of(c.family, n, NORMS) is None:
-        return a
-    a = np.asarray(a)
-    w = (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
-    return w + np.float32(1)
+    """Checkpoint tensor n as both backends read it: an RMSNorm's weight (NORMS) as 1 + w."""
+    return base.one_plus_view(c.family, n, a, NORMS)
 
 
 class M3State(IndexKeys, RunState):

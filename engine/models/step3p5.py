@@ -2,7 +2,8 @@
 the vision tower is skipped). CPU backend.
 
 What differs from the llama-like decoder (engine/models/base.py):
-- every RMSNorm scales by 1 + w (the stored weights are offsets; q / k norms a head too);
+- every RMSNorm scales by 1 + w (the stored weights are offsets; q / k norms a head too):
+  dense_view gives both backends the norms' weights as 1 + w at load;
 - sliding-window and full layers (layer_types), each type with its own RoPE theta and rotary
   share; sliding layers may have fewer query heads (num_sliding_attention_heads);
 - each head's output times sigmoid of its gate (g_proj, one a head) before o_proj;
@@ -149,21 +150,15 @@ def dense_spec(c: Step3p5Config) -> dict[str, tuple]:
 expert_spec = base.expert_spec   # gate, up, down per expert (the stacked tensors' views)
 
 
+def dense_view(c: Step3p5Config, n: str, a: np.ndarray) -> np.ndarray:
+    """Checkpoint tensor n as both backends read it: an RMSNorm's weight (NORMS) as 1 + w."""
+    return base.one_plus_view(c.family, n, a, NORMS)
+
+
 class Step3p5Decoder(MoeDecoder):
     def __init__(self, c: Step3p5Config, ops, weights, experts, on_route=None):
         super().__init__(c, ops, weights, experts, on_route)
-        self._raw = weights
-        self._norms: dict = {}   # (key, layer) -> 1 + w
-        self.w = self._weight
         self.freqs = [r.inv_freq() for r in c.layer_ropes]
-
-    def _weight(self, key: str, layer: int | None = None):
-        if key not in NORMS:
-            return self._raw(key, layer)
-        got = self._norms.get((key, layer))
-        if got is None:
-            got = self._norms[key, layer] = np.asarray(self._raw(key, layer), np.float32) + np.float32(1)
-        return got
 
     def attention(self, l: int, h, pos: np.ndarray, st):
         c, ops, w = self.c, self.ops, self.w
