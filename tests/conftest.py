@@ -10,6 +10,8 @@ import pytest
 
 from engine.demo import byte_level_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
@@ -198,9 +200,18 @@ def build_hf_model(dst: Path, family: str, dtype: str = "float32", max_shard_siz
         for n, p in model.named_parameters():   # gpt-oss: sinks and router biases that matter
             if n.endswith((".sinks", "router.bias")):
                 p.normal_(0.0, 1.0)
-    model = model.to(getattr(torch, dtype)).eval()
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(dst, **kw)
+    return save_tiny(model, dst, dtype, **kw)
+
+
+def save_tiny(model, dst: Path, dtype="float32", **save):
+    """model, cast to dtype (a torch dtype or its name) in place and put in eval mode, saved
+    into dst with a byte-level tokenizer: a checkpoint folder the engine reads. save:
+    save_pretrained's keywords. Returns model."""
+    import torch
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model.to(dtype).eval().save_pretrained(dst, **save)
     byte_level_tokenizer().save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return model
@@ -222,6 +233,13 @@ def hf_reference(dst: Path):
     return m.eval()
 
 
+def hf_logits(ref, ids):
+    """transformers' logits of one sequence of ids, [len(ids), vocab] float32."""
+    import torch
+    with torch.no_grad():
+        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+
+
 def hf_greedy(ref, ids, n: int) -> list:
     """transformers' greedy continuation of ids (n tokens, no EOS stop)."""
     import torch
@@ -238,13 +256,11 @@ def assert_greedy(ref, prompt, got, n: int) -> None:
     """got must be transformers' greedy continuation of prompt, token for token. Random-weight
     models have near-ties; where got leaves the reference's argmax, the reference must rate the
     two tokens within TIE (relative to its largest logit), and the sequences may differ after."""
-    import torch
     want = hf_greedy(ref, prompt, n)
     if got == want:
         return
     assert len(got) == n, (got, want)
-    with torch.no_grad():
-        logits = ref(torch.tensor(list(prompt) + list(got))[None]).logits[0].numpy()
+    logits = hf_logits(ref, list(prompt) + list(got))
     for i, tok in enumerate(got):
         row = logits[len(prompt) + i - 1]
         best = int(np.argmax(row))
@@ -274,16 +290,14 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check_against(ref, m) -> None:
-    """The engine model m against the transformers model ref: logits of 12 random tokens and a
-    24-token greedy continuation."""
-    import torch
-    ids = np.random.default_rng().integers(0, 300, 12)
-    with torch.no_grad():
-        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
-    assert rel_err(m.logits(ids), want) < 1e-4
-    prompt = ids[:5].tolist()
-    assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=24).output_ids, 24)
+def check_against(ref, m, n_ids: int = 12, n_new: int = 24, n_prompt: int = 5):
+    """The engine model m (either backend) against the transformers model ref: logits of n_ids
+    random tokens and an n_new-token greedy continuation of the first n_prompt. Returns the ids."""
+    ids = np.random.default_rng().integers(0, 300, n_ids)
+    assert rel_err(m.logits(ids), hf_logits(ref, ids)) < 1e-4
+    prompt = ids[:n_prompt].tolist()
+    assert_greedy(ref, prompt, m.generate(prompt, max_new_tokens=n_new).output_ids, n_new)
+    return ids
 
 
 def check_state_resumes(folder, ids) -> None:
@@ -380,6 +394,16 @@ def check_graph_replay_equals_eager(packed, prompt, resident: bool, **load) -> N
     assert cpu.output_ids == a.output_ids
 
 
+def check_packed_graph_replay(tmp_path: Path, resident: bool, build, *args, **over) -> None:
+    """check_graph_replay_equals_eager on a random 20-token prompt over tmp_path / "p": the
+    model build(tmp_path / "src", *args, **over) saves, packed with NVFP4 experts."""
+    from engine.pack import pack
+    build(tmp_path / "src", *args, **over)
+    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
+    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
+                                    resident)
+
+
 SAMPLED = (dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, seed=7),
            dict(temperature=0.9, top_k=20, seed=3), dict(temperature=1.0, seed=2))
 
@@ -439,3 +463,17 @@ def eager_decoder_matches_cpu(model, setup=None, cpu_setup=None, **load) -> None
             lc = np.asarray(cpu.forward(np.array([tok]), sc))
             lg = dec.forward(np.array([tok]), sg)
     print(f"logits rel err {max(errs):.2e}, tokens {toks}", flush=True)
+
+
+def run_simulator_decoder(folder) -> None:
+    """tests/test_families_cuda.py run as a script in a subprocess under NUMBA_ENABLE_CUDASIM=1:
+    the cuda backend's eager decoder (the one the folder's model_type names there) against the
+    CPU backend on the model in folder (eager_decoder_matches_cpu)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "test_families_cuda.py"), str(folder)],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=str(ROOT))
+    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr

@@ -4,13 +4,12 @@ RMSNorm), RoPE over interleaved pairs in sliding and forced layers only, softmax
 routing over the top-k logits, shared experts averaged or summed, the dense prefix, logit_scale."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 import engine
-from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from conftest import (check_against, check_packed_graph_replay, check_state_resumes, run_simulator_decoder, save_tiny,
+                      widen_init)
 from engine.models import family_of
 from engine.models.rope import ConfigError
 
@@ -34,22 +33,14 @@ def build(dst, dtype: str = "float32", **over):
     torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
     model = tf.Cohere2MoeForCausalLM(tf.Cohere2MoeConfig(**{**TINY, **over}))
     widen_init(model)
-    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     return tf.Cohere2MoeForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("over", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_logits_and_greedy_match_transformers(tmp_path, over):
-    import torch
     ref = build(tmp_path, **over)
-    ids = np.random.default_rng().integers(0, 300, 12)
-    with torch.no_grad():
-        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
-    m = engine.load(tmp_path, device="cpu")
-    assert rel_err(m.logits(ids), want) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+    ids = check_against(ref, engine.load(tmp_path, device="cpu"), n_new=20)
     if not over:
         check_state_resumes(tmp_path, ids)
 
@@ -74,30 +65,15 @@ SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=8, prefix_dense_inte
 def test_simulator_decoder(tmp_path):
     """The eager CUDA decoder (engine/gpu_cohere.py) under NUMBA_ENABLE_CUDASIM=1 against the
     CPU backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     build(tmp_path, "bfloat16", **SIM)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_cuda_matches_transformers(tmp_path, over):
-    import torch
     ref = build(tmp_path, "bfloat16", **over)
-    ids = np.random.default_rng().integers(0, 300, 12)
-    with torch.no_grad():
-        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
-    g = engine.load(tmp_path, device="cuda")
-    assert rel_err(g.logits(ids), want) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_new=20)
 
 
 @pytest.mark.gpu
@@ -106,9 +82,5 @@ def test_cuda_matches_transformers(tmp_path, over):
 def test_graph_replay_and_streaming(tmp_path, over, resident):
     """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
     resident or streamed under a tiny budget."""
-    from conftest import check_graph_replay_equals_eager
-    from engine.pack import pack
-    build(tmp_path / "src", **{**over, "hidden_size": 64, "num_experts": 16, "num_experts_per_tok": 4})
-    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
-    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
-                                    resident)
+    check_packed_graph_replay(tmp_path, resident, build,
+                              **{**over, "hidden_size": 64, "num_experts": 16, "num_experts_per_tok": 4})

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import engine
-from conftest import build_hf_model
+from conftest import build_hf_model, run_simulator_decoder
 from engine.models import family_of
 from engine.models.rope import ConfigError
 
@@ -170,23 +170,13 @@ def test_kimi_k25_wrapper(tmp_path):
 def test_kimi_k25_simulator(tmp_path):
     """The cuda backend's MLA decoder on the wrapper's names, in the CUDA simulator, against the
     CPU backend (tests/test_families_cuda.py's script)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     build_hf_model(tmp_path / "src", "deepseek_v3", dtype="bfloat16", hidden_size=16,
                    num_attention_heads=2, moe_intermediate_size=8, intermediate_size=8,
                    n_routed_experts=4, n_group=2, topk_group=1, num_hidden_layers=2,
                    kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                    v_head_dim=6, vocab_size=24)
     kimi_k25_folder(tmp_path / "src", tmp_path / "k25")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"),
-                        str(tmp_path / "k25")], env=env, capture_output=True, text=True,
-                       timeout=900, cwd=str(root))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path / "k25")
 
 
 def test_v32_sparse_attention(tmp_path):

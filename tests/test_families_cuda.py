@@ -19,7 +19,6 @@ Run the simulator check directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_famil
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,8 +31,8 @@ if __name__ == "__main__":   # run as a script from anywhere
         if str(p) not in sys.path:
             sys.path.insert(0, str(p))
 
-from conftest import (assert_greedy, build_hf_model, check_graph_replay_equals_eager,  # noqa: E402
-                      eager_decoder_matches_cpu, hf_reference, rel_err)
+from conftest import (assert_greedy, build_hf_model, check_packed_graph_replay,  # noqa: E402
+                      eager_decoder_matches_cpu, hf_logits, hf_reference, rel_err, run_simulator_decoder)
 
 TINY = dict(vocab_size=24, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
             moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
@@ -129,11 +128,7 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
 def test_simulator_decoder(tmp_path, family):
     # bf16, as the cuda backend builds bf16 expert blocks from a checkpoint
     build_hf_model(tmp_path, family.split("-")[0], dtype="bfloat16", **SIM_CASES[family])
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    r = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=900, cwd=str(ROOT))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path)
 
 
 # ---- real GPU -------------------------------------------------------------------------------
@@ -175,16 +170,12 @@ def test_simulator_decoder(tmp_path, family):
     ("hunyuan_v1_moe", dict(hidden_size=64, num_experts=16, moe_topk=4, tie_word_embeddings=True)),
 ])
 def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
-    import torch
-
     import engine
     build_hf_model(tmp_path, family, dtype="bfloat16", **over)
     ref = hf_reference(tmp_path)
     ids = np.random.default_rng().integers(0, 300, 12).tolist()
     g = engine.load(tmp_path, device="cuda")
-    with torch.no_grad():
-        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
-    assert rel_err(g.logits(ids), want) < 1e-4
+    assert rel_err(g.logits(ids), hf_logits(ref, ids)) < 1e-4
     assert_greedy(ref, ids[:5], g.generate(ids[:5], max_new_tokens=32).output_ids, 32)
     cpu = engine.load(tmp_path, device="cpu").generate(ids[:5], max_new_tokens=32)
     assert_greedy(ref, ids[:5], cpu.output_ids, 32)
@@ -197,7 +188,6 @@ def test_cuda_matches_cpu_and_transformers(tmp_path, family, over):
 def test_graph_replay_and_streaming(tmp_path, family, resident):
     """Graph replay = eager = the CPU backend, resident (one graph a token, the router's slot
     path) or streamed (per-layer segments, the shared expert's own, the host resolve)."""
-    from engine.pack import pack
     over = {"glm4_moe": dict(n_routed_experts=16, n_group=4, topk_group=2),
             "deepseek_v3": dict(n_routed_experts=16, n_group=4, topk_group=2),
             "exaone_moe": dict(num_experts=16, n_group=4, topk_group=2),
@@ -205,11 +195,8 @@ def test_graph_replay_and_streaming(tmp_path, family, resident):
             "hunyuan_v1_moe": dict(num_experts=16, moe_topk=4),
             "gpt_oss": dict(num_local_experts=16),
             "minimax_m2": dict(num_local_experts=16)}.get(family, dict(num_experts=16))
-    build_hf_model(tmp_path / "src", family, num_experts_per_tok=4, num_hidden_layers=3,
-                   hidden_size=64, **over)
-    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
-    prompt = np.random.default_rng().integers(0, 300, 20).tolist()
-    check_graph_replay_equals_eager(tmp_path / "p", prompt, resident)
+    check_packed_graph_replay(tmp_path, resident, build_hf_model, family, num_experts_per_tok=4,
+                              num_hidden_layers=3, hidden_size=64, **over)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,11 @@ biases, sigmoid routing with a selection bias, shared experts, a dense first lay
 tower skipped by name; on cuda, parity and graph replay."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 import engine
-from conftest import assert_greedy, byte_level_tokenizer, rel_err, widen_init
+from conftest import check_against, save_tiny, widen_init
 
 TEXT = dict(vocab_size=300, hidden_size=48, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
@@ -32,35 +30,22 @@ def build(dst, dtype: str = "float32", **over):
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)
-    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     return tf.Glm4vMoeForConditionalGeneration.from_pretrained(dst, dtype=torch.float32).eval()
-
-
-def _logits(ref, ids):
-    import torch
-    with torch.no_grad():
-        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
 
 
 @pytest.mark.parametrize("over", [{}, dict(attention_bias=False, n_group=1, n_shared_experts=2, norm_topk_prob=False)],
                          ids=["0", "1"])
 def test_matches_transformers(tmp_path, over, capfd):
     ref = build(tmp_path, **over)
-    ids = np.random.default_rng().integers(0, 300, 14)
     capfd.readouterr()
     m = engine.load(tmp_path, device="cpu")
     assert "glm4v_moe: skipping the vision tower (" in capfd.readouterr().err
     assert m.config.attention_bias == over.get("attention_bias", True)
-    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=16).output_ids, 16)
+    check_against(ref, m, n_ids=14, n_new=16)
 
 
 @pytest.mark.gpu
 def test_cuda_matches_transformers(tmp_path):
     ref = build(tmp_path, "bfloat16")
-    ids = np.random.default_rng().integers(0, 300, 14)
-    g = engine.load(tmp_path, device="cuda")
-    assert rel_err(g.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=16).output_ids, 16)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=14, n_new=16)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import engine
-from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from conftest import (check_against, check_packed_graph_replay, check_state_resumes, rel_err,
+                      run_simulator_decoder, save_tiny, widen_init)
 from engine.models import family_of
 from engine.models.rope import ConfigError
 
@@ -44,9 +45,7 @@ def build(dst, dtype: str = "float32", text_only: bool = False, **over):
                                                                        vision_config=VISION)
     model = cls(cfg)
     widen_init(model)
-    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     return cls.from_pretrained(dst, dtype=torch.float32).eval()
 
 
@@ -56,28 +55,18 @@ def tiny(tmp_path_factory):
     return d, build(d)
 
 
-def _logits(ref, ids):
-    import torch
-    with torch.no_grad():
-        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
-
-
 def test_logits_and_greedy_match_transformers(tiny, capfd):
     d, ref = tiny
-    ids = np.random.default_rng().integers(0, 300, 21)
     m = engine.load(d, device="cpu")
     assert "skipping the vision tower" in capfd.readouterr().err
-    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+    check_against(ref, m, n_ids=21, n_new=20)
 
 
 def test_text_only_folder(tmp_path):
     ref = build(tmp_path, text_only=True, **TEXT_ONLY)
-    ids = np.random.default_rng().integers(0, 300, 17)
     m = engine.load(tmp_path, device="cpu")
     assert m.config.moe_layers == (0, 2, 3) and m.config.top_k == 2 and not m.config.qk_l2
-    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=16).output_ids, 16)
+    check_against(ref, m, n_ids=17, n_new=16)
 
 
 def test_prefill_equals_token_by_token(tiny):
@@ -158,27 +147,15 @@ GPU = dict(attention_chunk_size=64, max_position_embeddings=64)
 def test_simulator_decoder(tmp_path):
     """The eager CUDA decoder (engine/gpu_llama4.py) under NUMBA_ENABLE_CUDASIM=1 against the
     CPU backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     build(tmp_path, "bfloat16", **SIM)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("text_only", [False, True])
 def test_cuda_matches_transformers(tmp_path, text_only):
     ref = build(tmp_path, "bfloat16", text_only, **GPU, **(TEXT_ONLY if text_only else {}))
-    ids = np.random.default_rng().integers(0, 300, 40)
-    g = engine.load(tmp_path, device="cuda")
-    assert rel_err(g.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=24).output_ids, 24)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=40)
 
 
 @pytest.mark.gpu
@@ -186,9 +163,4 @@ def test_cuda_matches_transformers(tmp_path, text_only):
 def test_graph_replay_and_streaming(tmp_path, resident):
     """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
     resident or streamed under a tiny budget."""
-    from conftest import check_graph_replay_equals_eager
-    from engine.pack import pack
-    build(tmp_path / "src", **GPU, hidden_size=64, num_local_experts=16)
-    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
-    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
-                                    resident)
+    check_packed_graph_replay(tmp_path, resident, build, **GPU, hidden_size=64, num_local_experts=16)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import engine
-from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from conftest import (check_against, check_packed_graph_replay, check_state_resumes, hf_logits, rel_err,
+                      run_simulator_decoder, save_tiny, widen_init)
 from engine.models import family_of
 from engine.models.rope import ConfigError
 
@@ -44,9 +45,7 @@ def build(dst, dtype: str = "float32", **over):
         for n, p in model.named_parameters():
             if n.endswith(".sinks"):
                 p.normal_(0.0, 1.0)
-    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     return tf.MiMoV2FlashForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
 
 
@@ -56,18 +55,9 @@ def tiny(tmp_path_factory):
     return d, build(d)
 
 
-def _logits(ref, ids):
-    import torch
-    with torch.no_grad():
-        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
-
-
 def test_logits_and_greedy_match_transformers(tiny):
     d, ref = tiny
-    ids = np.random.default_rng().integers(0, 300, 17)
-    m = engine.load(d, device="cpu")
-    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+    check_against(ref, engine.load(d, device="cpu"), n_ids=17, n_new=20)
 
 
 def test_full_layers_kv_heads_repeated(tmp_path):
@@ -75,7 +65,7 @@ def test_full_layers_kv_heads_repeated(tmp_path):
     query heads after the repeat (a tiled order would not)."""
     ref = build(tmp_path, num_attention_heads=8, num_key_value_heads=2, attention_value_scale=None)
     ids = np.random.default_rng().integers(0, 300, 12)
-    assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), _logits(ref, ids)) < 1e-4
+    assert rel_err(engine.load(tmp_path, device="cpu").logits(ids), hf_logits(ref, ids)) < 1e-4
 
 
 def test_released_config_fields(tiny, tmp_path):
@@ -88,7 +78,7 @@ def test_released_config_fields(tiny, tmp_path):
         cfg.pop(k, None)
     p.write_text(json.dumps({**cfg, **RELEASED, "routed_scaling_factor": 1.5}))
     ids = np.random.default_rng().integers(0, 300, 12)
-    assert rel_err(engine.load(tmp_path / "r", device="cpu").logits(ids), _logits(ref, ids)) < 1e-4
+    assert rel_err(engine.load(tmp_path / "r", device="cpu").logits(ids), hf_logits(ref, ids)) < 1e-4
 
 
 def test_prefill_equals_token_by_token(tiny):
@@ -116,7 +106,6 @@ def test_fp8_release_layout(tmp_path):
     """The release's block-FP8 layout (every projection an F8_E4M3 weight beside its
     weight_scale_inv; router, bias and sinks float32): the engine on it equals the engine and
     transformers on the same weights dequantized by torch."""
-    from conftest import check_against
     from test_fp8_checkpoint import dequantized_copy, tf_reference, write_fp8
     build(tmp_path / "f32")
     write_fp8(tmp_path / "f32", tmp_path / "fp8", block=(4, 8))
@@ -158,27 +147,15 @@ SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=12, moe_intermediate
 def test_simulator_decoder(tmp_path):
     """The eager CUDA decoder (engine/gpu_mimo.py) under NUMBA_ENABLE_CUDASIM=1 against the CPU
     backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     build(tmp_path, "bfloat16", **SIM)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", [{}, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32, v_head_dim=16)])
 def test_cuda_matches_transformers(tmp_path, over):
     ref = build(tmp_path, "bfloat16", **over)
-    ids = np.random.default_rng().integers(0, 300, 24)
-    g = engine.load(tmp_path, device="cuda")
-    assert rel_err(g.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=24).output_ids, 24)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=24)
 
 
 @pytest.mark.gpu
@@ -186,9 +163,4 @@ def test_cuda_matches_transformers(tmp_path, over):
 def test_graph_replay_and_streaming(tmp_path, resident):
     """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
     resident or streamed under a tiny budget."""
-    from conftest import check_graph_replay_equals_eager
-    from engine.pack import pack
-    build(tmp_path / "src", hidden_size=64, n_routed_experts=16, num_experts_per_tok=4)
-    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
-    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
-                                    resident)
+    check_packed_graph_replay(tmp_path, resident, build, hidden_size=64, n_routed_experts=16, num_experts_per_tok=4)

@@ -4,13 +4,11 @@ shared experts, dense layers; the cuda decoder (engine/gpu_minicpm.py) under the
 a GPU."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 import engine
-from conftest import assert_greedy, byte_level_tokenizer, rel_err, widen_init
+from conftest import check_against, check_packed_graph_replay, run_simulator_decoder, save_tiny, widen_init
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
@@ -29,25 +27,14 @@ def build(dst, dtype: str = "float32", **over):
         for n, b in list(model.named_buffers()) + list(model.named_parameters()):
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)
-    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     return tf.MiniCPM5MoeForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
-
-
-def _logits(ref, ids):
-    import torch
-    with torch.no_grad():
-        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
 
 
 @pytest.mark.parametrize("over", CASES, ids=["0", "1"])
 def test_matches_transformers(tmp_path, over):
     ref = build(tmp_path, **over)
-    ids = np.random.default_rng().integers(0, 300, 14)
-    m = engine.load(tmp_path, device="cpu")
-    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=16).output_ids, 16)
+    check_against(ref, engine.load(tmp_path, device="cpu"), n_ids=14, n_new=16)
 
 
 SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
@@ -58,35 +45,19 @@ SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=12, num_hidden_layer
 def test_simulator_decoder(tmp_path):
     """The eager CUDA decoder under NUMBA_ENABLE_CUDASIM=1 against the CPU backend on a bf16
     build: tests/test_families_cuda.py's check, run as a script."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     build(tmp_path, "bfloat16", **SIM)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", CASES, ids=["0", "1"])
 def test_cuda_matches_transformers(tmp_path, over):
     ref = build(tmp_path, "bfloat16", **over)
-    ids = np.random.default_rng().integers(0, 300, 14)
-    g = engine.load(tmp_path, device="cuda")
-    assert rel_err(g.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=16).output_ids, 16)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=14, n_new=16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident", [True, False])
 def test_graph_replay_and_streaming(tmp_path, resident):
-    from conftest import check_graph_replay_equals_eager
-    from engine.pack import pack
-    build(tmp_path / "src", n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
-    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
-    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
-                                    resident)
+    check_packed_graph_replay(tmp_path, resident, build, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                              topk_group=2)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import engine
-from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from conftest import (check_against, check_packed_graph_replay, check_state_resumes, rel_err, run_simulator_decoder,
+                      save_tiny, widen_init)
 from engine.models import family_of
 from engine.models.rope import ConfigError
 
@@ -42,9 +43,7 @@ def build(dst, dtype: str = "float32", **over):
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)
-    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     return tf.MiniMaxM3SparseForConditionalGeneration.from_pretrained(dst, dtype=torch.float32).eval()
 
 
@@ -55,15 +54,10 @@ def tiny(tmp_path_factory):
 
 
 def test_logits_and_greedy_match_transformers(tiny, capfd):
-    import torch
     d, ref = tiny
-    ids = np.random.default_rng().integers(0, 300, 21)
-    with torch.no_grad():
-        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
     m = engine.load(d, device="cpu")
     assert "skipping the vision tower" in capfd.readouterr().err
-    assert rel_err(m.logits(ids), want) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+    check_against(ref, m, n_ids=21, n_new=20)
 
 
 def test_prefill_equals_token_by_token(tiny):
@@ -153,29 +147,14 @@ GPU = dict(index_block_size=16, index_topk_blocks=4)
 def test_simulator_decoder(tmp_path):
     """The eager CUDA decoder (engine/gpu_m3.py) under NUMBA_ENABLE_CUDASIM=1 against the CPU
     backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     build(tmp_path, "bfloat16", **SIM)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path)
 
 
 @pytest.mark.gpu
 def test_cuda_matches_transformers(tmp_path):
-    import torch
     ref = build(tmp_path, "bfloat16", **GPU)
-    ids = np.random.default_rng().integers(0, 300, 40)
-    with torch.no_grad():
-        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
-    g = engine.load(tmp_path, device="cuda")
-    assert rel_err(g.logits(ids), want) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=24).output_ids, 24)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=40)
 
 
 @pytest.mark.gpu
@@ -183,9 +162,5 @@ def test_cuda_matches_transformers(tmp_path):
 def test_graph_replay_and_streaming(tmp_path, resident):
     """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
     resident or streamed under a tiny budget."""
-    from conftest import check_graph_replay_equals_eager
-    from engine.pack import pack
-    build(tmp_path / "src", **GPU, hidden_size=64, num_local_experts=16, num_experts_per_tok=4)
-    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
-    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
-                                    resident)
+    check_packed_graph_replay(tmp_path, resident, build, **GPU, hidden_size=64, num_local_experts=16,
+                              num_experts_per_tok=4)

@@ -2,13 +2,11 @@
 on the same weights: Qwen3-MoE's language model, the audio and vision encoders skipped by name."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 import engine
-from conftest import byte_level_tokenizer, rel_err, widen_init
+from conftest import hf_logits, rel_err, save_tiny, widen_init
 
 TEXT = dict(vocab_size=300, hidden_size=48, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -29,16 +27,8 @@ def build(dst, dtype: str = "float32", **over):
                                                     vision_config=VISION), enable_audio_output=False)
     model = tf.Qwen3OmniMoeForConditionalGeneration(cfg)
     widen_init(model)
-    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     return tf.Qwen3OmniMoeForConditionalGeneration.from_pretrained(dst, dtype=torch.float32).eval().thinker
-
-
-def _logits(ref, ids):
-    import torch
-    with torch.no_grad():
-        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
 
 
 def _greedy(ref, prompt, n):
@@ -46,7 +36,7 @@ def _greedy(ref, prompt, n):
     wrapper's multimodal token ids)."""
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(np.argmax(_logits(ref, ids)[-1])))
+        ids.append(int(np.argmax(hf_logits(ref, ids)[-1])))
     return ids[len(prompt):]
 
 
@@ -60,7 +50,7 @@ def test_matches_transformers(tmp_path, over, capfd):
     err = capfd.readouterr().err
     assert "skipping the audio encoder" in err and "skipping the vision tower" in err
     assert m.config.norm_topk_prob == over.get("norm_topk_prob", True)
-    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
+    assert rel_err(m.logits(ids), hf_logits(ref, ids)) < 1e-4
     assert m.generate(ids[:5].tolist(), max_new_tokens=12).output_ids == _greedy(ref, ids[:5].tolist(), 12)
 
 
@@ -69,5 +59,5 @@ def test_cuda_matches_transformers(tmp_path):
     ref = build(tmp_path, "bfloat16")
     ids = np.random.default_rng().integers(0, 300, 14)
     g = engine.load(tmp_path, device="cuda")
-    assert rel_err(g.logits(ids), _logits(ref, ids)) < 1e-4
+    assert rel_err(g.logits(ids), hf_logits(ref, ids)) < 1e-4
     assert g.generate(ids[:5].tolist(), max_new_tokens=12).output_ids == _greedy(ref, ids[:5].tolist(), 12)

@@ -4,14 +4,12 @@ the released one (fused and transposed: [E, H, 2I] / [E, I, H]), read directly a
 vision tower skipped by name."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
 import engine
-from conftest import assert_greedy, assert_same_greedy, byte_level_tokenizer, rel_err, widen_init
+from conftest import assert_same_greedy, check_against, run_simulator_decoder, save_tiny, widen_init
 
 TEXT = dict(vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
@@ -33,9 +31,7 @@ def build(dst, released: bool, dtype=torch.float32, **over):
         tf.Qwen3VLMoeConfig(text_config={**TEXT, **over}, vision_config=VISION))
     torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
     widen_init(model)
-    model.to(dtype).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     if released:
         f = dst / "model.safetensors"
         t = load_file(f)
@@ -52,15 +48,11 @@ def test_qwen3_vl_moe_matches_transformers(tmp_path, released, capfd):
     with safe_open(tmp_path / "model.safetensors", "np") as f:
         shape = f.get_slice("model.language_model.layers.0.mlp.experts.gate_up_proj").get_shape()
     assert shape == ([8, 48, 64] if released else [8, 64, 48])
-    ids = np.random.default_rng().integers(0, 300, 12)
-    with torch.no_grad():
-        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
     capfd.readouterr()
     m = engine.load(tmp_path, device="cpu")
     assert "qwen3_vl_moe: skipping the vision tower (" in capfd.readouterr().err
     assert m.config.moe_layers == (0, 2) and not any(n.startswith("model.visual.") for n in m.consumed)
-    assert rel_err(m.logits(ids), want) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=24).output_ids, 24)
+    check_against(ref, m)
 
 
 def test_released_layout_packs(tmp_path):
@@ -81,18 +73,9 @@ def test_released_layout_packs(tmp_path):
 def test_simulator_decoder(tmp_path):
     """The cuda backend's eager decoder = the CPU backend (tests/test_families_cuda.py's check,
     in the CUDA simulator) on a tiny released-layout model."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     # bf16, as the cuda backend builds bf16 expert blocks from a checkpoint
     build(tmp_path, released=True, dtype=torch.bfloat16, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
           head_dim=8, intermediate_size=8, moe_intermediate_size=8, num_experts=4, vocab_size=24,
           num_hidden_layers=2, mlp_only_layers=[0],
           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path)
