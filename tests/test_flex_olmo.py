@@ -4,13 +4,13 @@ residual add, RMSNorms over the whole q and k projections, softmax top-k routing
 renormalization."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
 import engine
-from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from conftest import (check_against, check_packed_graph_replay, check_state_resumes, rel_err,
+                      run_simulator_decoder, save_tiny, widen_init)
 from engine.models import family_of
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
@@ -28,25 +28,16 @@ def build(dst, dtype: str = "float32", **over):
     torch.manual_seed(seed)
     model = tf.FlexOlmoForCausalLM(tf.FlexOlmoConfig(**{**TINY, **over}))
     widen_init(model)
-    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     return tf.FlexOlmoForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
 
-
-def _logits(ref, ids):
-    import torch
-    with torch.no_grad():
-        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
 
 
 @pytest.mark.parametrize("over", CASES, ids=["0", "1"])
 def test_logits_and_greedy_match_transformers(tmp_path, over):
     ref = build(tmp_path, **over)
-    ids = np.random.default_rng().integers(0, 300, 14)
     m = engine.load(tmp_path, device="cpu")
-    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+    ids = check_against(ref, m, n_ids=14, n_new=20)
     if not over:
         check_state_resumes(tmp_path, ids)
         st = m.model.new_state(32)
@@ -89,27 +80,15 @@ SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=8, num_hidden_layers
 def test_simulator_decoder(tmp_path):
     """The eager CUDA decoder (engine/gpu_flex_olmo.py) under NUMBA_ENABLE_CUDASIM=1 against the
     CPU backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     build(tmp_path, "bfloat16", **SIM)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", CASES, ids=["0", "1"])
 def test_cuda_matches_transformers(tmp_path, over):
     ref = build(tmp_path, "bfloat16", **over)
-    ids = np.random.default_rng().integers(0, 300, 24)
-    g = engine.load(tmp_path, device="cuda")
-    assert rel_err(g.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=24).output_ids, 24)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=24)
 
 
 @pytest.mark.gpu
@@ -117,9 +96,4 @@ def test_cuda_matches_transformers(tmp_path, over):
 def test_graph_replay_and_streaming(tmp_path, resident):
     """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
     resident or streamed under a tiny budget: the MoE output's own buffer and norm in every path."""
-    from conftest import check_graph_replay_equals_eager
-    from engine.pack import pack
-    build(tmp_path / "src", hidden_size=64, num_experts=16, num_experts_per_tok=4)
-    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
-    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
-                                    resident)
+    check_packed_graph_replay(tmp_path, resident, build, hidden_size=64, num_experts=16, num_experts_per_tok=4)

@@ -3,13 +3,13 @@ models: LayerNorms with bias, q / k / v / o and lm_head biases, sparsemixer rout
 longrope frequencies and mscale, a sliding window."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
 import engine
-from conftest import assert_greedy, byte_level_tokenizer, check_state_resumes, rel_err, widen_init
+from conftest import (check_against, check_packed_graph_replay, check_state_resumes, rel_err,
+                      run_simulator_decoder, save_tiny, widen_init)
 from engine.models import family_of
 from engine.models.rope import ConfigError
 from kernels_numba import reference as ref
@@ -37,25 +37,16 @@ def build(dst, dtype: str = "float32", **over):
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0.0, 0.1)
-    model.to(getattr(torch, dtype)).eval().save_pretrained(dst)
-    byte_level_tokenizer().save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    save_tiny(model, dst, dtype)
     return tf.PhimoeForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
 
-
-def _logits(ref, ids):
-    import torch
-    with torch.no_grad():
-        return ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
 
 
 @pytest.mark.parametrize("over", CASES, ids=["biases-longrope", "window-jitter"])
 def test_logits_and_greedy_match_transformers(tmp_path, over):
     ref = build(tmp_path, **over)
-    ids = np.random.default_rng().integers(0, 300, 14)
     m = engine.load(tmp_path, device="cpu")
-    assert rel_err(m.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), m.generate(ids[:5].tolist(), max_new_tokens=20).output_ids, 20)
+    ids = check_against(ref, m, n_ids=14, n_new=20)
     if over is CASES[0]:
         check_state_resumes(tmp_path, ids)
         st = m.model.new_state(32)
@@ -110,27 +101,15 @@ SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=8, num_hidden_layers
 def test_simulator_decoder(tmp_path):
     """The eager CUDA decoder (engine/gpu_phimoe.py) under NUMBA_ENABLE_CUDASIM=1 against the CPU
     backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     build(tmp_path, "bfloat16", **SIM)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, str(root / "tests" / "test_families_cuda.py"), str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
-    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+    run_simulator_decoder(tmp_path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", CASES, ids=["biases-longrope", "window-jitter"])
 def test_cuda_matches_transformers(tmp_path, over):
     ref = build(tmp_path, "bfloat16", **over)
-    ids = np.random.default_rng().integers(0, 300, 24)
-    g = engine.load(tmp_path, device="cuda")
-    assert rel_err(g.logits(ids), _logits(ref, ids)) < 1e-4
-    assert_greedy(ref, ids[:5].tolist(), g.generate(ids[:5].tolist(), max_new_tokens=24).output_ids, 24)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=24)
 
 
 @pytest.mark.gpu
@@ -139,9 +118,4 @@ def test_graph_replay_and_streaming(tmp_path, resident):
     """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
     resident or streamed under a tiny budget: the LayerNorms' biases, the sparsemixer with the
     device slot table, the lm_head bias in every path."""
-    from conftest import check_graph_replay_equals_eager
-    from engine.pack import pack
-    build(tmp_path / "src", hidden_size=64, num_local_experts=16, **CASES[0])
-    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
-    check_graph_replay_equals_eager(tmp_path / "p", np.random.default_rng().integers(0, 300, 20).tolist(),
-                                    resident)
+    check_packed_graph_replay(tmp_path, resident, build, hidden_size=64, num_local_experts=16, **CASES[0])
