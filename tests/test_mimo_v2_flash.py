@@ -141,7 +141,9 @@ def test_config_refused(fields, says):
 SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=12, moe_intermediate_size=8, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=1, head_dim=8, v_head_dim=4, n_routed_experts=4, n_group=1,
            topk_group=1, sliding_window=2, layer_types=["full_attention", "sliding_attention"],
-           max_position_embeddings=64)
+           max_position_embeddings=64,   # whole heads rotate (four pairs): each layer kind's theta shows
+           rope_parameters={k: dict(rope_type="default", rope_theta=t, partial_rotary_factor=1.0)
+                            for k, t in (("full_attention", 5e6), ("sliding_attention", 1e4))})
 
 
 def test_simulator_decoder(tmp_path):
