@@ -1315,6 +1315,48 @@ class GpuDecoder:
         cs.synchronize()   # host arrays above are reused by the next layer
 
 
+class PostNormBuffers(Buffers):
+    """Buffers with a MoE layer's own output rows (PostNormDecoder)."""
+
+    def __init__(self, c, t: int, s_max: int):
+        super().__init__(c, t, s_max)
+        self.mo = cuda.device_array((t, c.hidden), np.float32)     # a MoE layer's output [T, H]
+
+
+class PostNormDecoder(GpuDecoder):
+    """A decoder whose attention and MLP outputs are normed before their residual adds (AFMoE's
+    sandwich norms, FlexOlmo's): o_proj into b.o, normed by post_attn_norm, added into x; a dense
+    MLP's output the same by post_mlp_norm; a MoE layer's experts and shared experts add into
+    b.mo (zeroed with the router: _moe_target), normed and added into x after the experts
+    (_moe_finish), in the eager, graphed and prefill paths alike."""
+    buffers_cls = PostNormBuffers
+
+    def _attention(self, l, b, t, st):
+        self._linear(self.w("o", l), self._attend(l, b, t, st), b.o[:t])
+        self._norm_add(b.o[:t], self.w("post_attn_norm", l), b.x[:t])
+
+    def _dense_mlp(self, l, b, t):
+        x = b.x[:t]
+        g = self._swiglu_in(self.w("mlp_gate", l), self.w("mlp_up", l), self._mlp_in(l, b, t), b.g[:t], b.u[:t])
+        self._linear(self.w("mlp_down", l), g, b.o[:t])
+        self._norm_add(b.o[:t], self.w("post_mlp_norm", l), x)
+
+    def _norm_add(self, y, w, x) -> None:
+        """x += rmsnorm(y) * w (y normed in place)."""
+        self._norm(y, w, y)
+        gd.add(x.reshape(-1), y.reshape(-1), x.reshape(-1), self.cs)
+
+    def _norm_router(self, l, b, t):
+        super()._norm_router(l, b, t)
+        gm.zero(b.mo[:t].reshape(-1), self.cs)
+
+    def _moe_target(self, b, t):
+        return b.mo[:t]
+
+    def _moe_finish(self, l, b, t) -> None:
+        self._norm_add(b.mo[:t], self.w("post_mlp_norm", l), b.x[:t])
+
+
 class _GroupArrays:
     def __init__(self, gstart, order, wts, pos):
         self.gstart = cuda.to_device(gstart)

@@ -1,15 +1,12 @@
-"""The CUDA decoder of AFMoE (Arcee Trinity; afmoe): GpuDecoder with sandwich norms. Same math as
-engine/models/afmoe.py (the CPU backend).
+"""The CUDA decoder of AFMoE (Arcee Trinity; afmoe): PostNormDecoder (the attention's and MLPs'
+outputs normed before their adds, MoE layers through their own buffer) with norms before them
+too. Same math as engine/models/afmoe.py (the CPU backend).
 
-What changes against GpuDecoder:
+What changes against PostNormDecoder:
 - the embeddings times sqrt(hidden) (mup: gm.scale after the gather);
 - attention: attn_norm(x) kept in b.h (the gate reads it), q / k / v from it, the base's
   per-head norms, RoPE (none in full layers) and windows; the heads' output times
-  sigmoid(h @ attn_gate^T) (gdn.sigmoid_gate, elementwise), o_proj into b.o, post_attn_norm,
-  then added into x;
-- MLPs: a dense layer's output normed (post_mlp_norm) before its add; a MoE layer's experts and
-  shared experts add into b.mo (zeroed with the router: _moe_target), normed and added into x
-  after the experts (_moe_finish), in the eager, the graphed and the prefill paths alike.
+  sigmoid(h @ attn_gate^T) (gdn.sigmoid_gate, elementwise) before o_proj.
 Legend: T = tokens, H = hidden, Hq D = the heads' width.
 """
 from __future__ import annotations
@@ -17,11 +14,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from engine.gpu import Buffers, GpuDecoder, pick_prefill_chunk  # noqa: F401
+from engine.gpu import PostNormBuffers, PostNormDecoder, pick_prefill_chunk  # noqa: F401
 from engine.gpu import dense_keys as _base_dense_keys
 from engine.gpu import run_state_bytes as _base_run_state_bytes
 from kernels_numba import gpu_deltanet as gdn
-from kernels_numba import gpu_dense as gd
 from kernels_numba import gpu_misc as gm
 
 
@@ -30,14 +26,13 @@ def run_state_bytes(c, t: int, max_context: int) -> int:
     return _base_run_state_bytes(c, t, max_context) + 4 * t * (c.q_dim + c.hidden)
 
 
-class AfmoeBuffers(Buffers):
+class AfmoeBuffers(PostNormBuffers):
     def __init__(self, c, t: int, s_max: int):
         super().__init__(c, t, s_max)
         self.gate = cuda.device_array((t, c.q_dim), np.float32)    # [T, Hq D]
-        self.mo = cuda.device_array((t, c.hidden), np.float32)     # a MoE layer's output [T, H]
 
 
-class GpuAfmoeDecoder(GpuDecoder):
+class GpuAfmoeDecoder(PostNormDecoder):
     buffers_cls = AfmoeBuffers
 
     @staticmethod
@@ -52,32 +47,10 @@ class GpuAfmoeDecoder(GpuDecoder):
     def _qkv(self, l, b, t, fuse_norm: bool = True):
         return super()._qkv(l, b, t, fuse_norm=False)   # h kept: the gate reads it
 
-    def _attention(self, l, b, t, st):
-        att = self._attend(l, b, t, st)
+    def _attend(self, l, b, t, st):
+        """The heads' output times sigmoid(h @ attn_gate^T), elementwise."""
+        att = super()._attend(l, b, t, st)
         gate = b.gate[:t]
         self._linear(self.w("attn_gate", l), b.h[:t], gate)
         gdn.sigmoid_gate(att, gate, self.cs)   # as many gate columns as att's: elementwise
-        self._linear(self.w("o", l), att, b.o[:t])
-        self._norm_add(b.o[:t], self.w("post_attn_norm", l), b.x[:t])
-
-    def _dense_mlp(self, l, b, t):
-        x = b.x[:t]
-        h = self._mlp_in(l, b, t)
-        g = self._swiglu_in(self.w("mlp_gate", l), self.w("mlp_up", l), h, b.g[:t], b.u[:t])
-        self._linear(self.w("mlp_down", l), g, b.o[:t])
-        self._norm_add(b.o[:t], self.w("post_mlp_norm", l), x)
-
-    def _norm_add(self, y, w, x) -> None:
-        """x += rmsnorm(y) * w (y normed in place)."""
-        self._norm(y, w, y)
-        gd.add(x.reshape(-1), y.reshape(-1), x.reshape(-1), self.cs)
-
-    def _norm_router(self, l, b, t):
-        super()._norm_router(l, b, t)
-        gm.zero(b.mo[:t].reshape(-1), self.cs)
-
-    def _moe_target(self, b, t):
-        return b.mo[:t]
-
-    def _moe_finish(self, l, b, t) -> None:
-        self._norm_add(b.mo[:t], self.w("post_mlp_norm", l), b.x[:t])
+        return att
