@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import engine
-from conftest import (check_against, check_packed_graph_replay, check_state_resumes, rel_err,
-                      run_simulator_decoder, save_tiny, widen_init)
+from conftest import (check_against, check_packed_graph_replay, check_prefill_equals_token_by_token,
+                      check_state_resumes, rel_err, run_simulator_decoder, save_tiny, widen_init)
 from engine.models import family_of
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
@@ -40,10 +40,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, over):
     ids = check_against(ref, m, n_ids=14, n_new=20)
     if not over:
         check_state_resumes(tmp_path, ids)
-        st = m.model.new_state(32)
-        parts = [m.model.forward(ids[:3], st, all_logits=True)] + [m.model.forward(ids[i:i + 1], st)
-                                                                   for i in range(3, 14)]
-        assert rel_err(np.concatenate(parts), m.model.forward(ids, m.model.new_state(32), all_logits=True)) < 1e-5
+        check_prefill_equals_token_by_token(m.model, ids)
 
 
 def test_packed(tmp_path):

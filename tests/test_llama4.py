@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import engine
-from conftest import (check_against, check_packed_graph_replay, check_state_resumes, rel_err,
-                      run_simulator_decoder, save_tiny, widen_init)
+from conftest import (check_against, check_packed_graph_replay, check_prefill_equals_token_by_token,
+                      check_state_resumes, rel_err, run_simulator_decoder, save_tiny, widen_init)
 from engine.models import family_of
 from engine.models.rope import ConfigError
 
@@ -72,10 +72,7 @@ def test_text_only_folder(tmp_path):
 def test_prefill_equals_token_by_token(tiny):
     m = engine.load(tiny[0], device="cpu").model
     ids = np.random.default_rng().integers(0, 300, 19)
-    whole = m.forward(ids, m.new_state(32), all_logits=True)
-    st = m.new_state(32)
-    parts = [m.forward(ids[:3], st, all_logits=True)] + [m.forward(ids[i:i + 1], st) for i in range(3, 19)]
-    assert rel_err(np.concatenate(parts), whole) < 1e-5
+    check_prefill_equals_token_by_token(m, ids)
 
 
 def test_state_resumes_and_packed(tiny, tmp_path):
