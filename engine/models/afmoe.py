@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, check_room, layer_list, need
+from engine.models.base import MoeConfig, MoeDecoder, layer_list, need
 from engine.models.rope import ConfigError
 from engine.names import name
 
@@ -70,26 +70,17 @@ expert_spec = base.expert_spec
 
 
 class AfmoeDecoder(MoeDecoder):
-    def forward(self, ids: np.ndarray, st, all_logits: bool = False):
-        c, ops, w = self.c, self.ops, self.w
-        t = len(ids)
-        check_room(st, t)
-        pos = np.arange(st.pos, st.pos + t, dtype=np.int32)
-        x = ops.embed(w("embed"), ids)
-        if c.mup:
-            x = x * np.float32(np.sqrt(c.hidden))
-        for l in range(c.n_layers):
-            a = self.attention(l, ops.rmsnorm(x, w("attn_norm", l), c.rms_eps), pos, st)
-            ops.add_(x, ops.rmsnorm(a, w("post_attn_norm", l), c.rms_eps))
-            h = ops.rmsnorm(x, w("mlp_norm", l), c.rms_eps)
-            m = self.moe(l, h) if l in c.moe_layers else self.dense_mlp(l, h)
-            ops.add_(x, ops.rmsnorm(m, w("post_mlp_norm", l), c.rms_eps))
-        st.pos += t
-        if not all_logits:
-            x = x[t - 1:]
-        x = ops.rmsnorm(x, w("final_norm"), c.rms_eps)
-        return ops.linear(x, w("embed") if c.tie_embeddings else w("lm_head"))
+    def embed(self, ids: np.ndarray):
+        x = super().embed(ids)
+        return x * np.float32(np.sqrt(self.c.hidden)) if self.c.mup else x
 
+    def layer(self, l: int, x, pos: np.ndarray, st) -> None:
+        """Sandwich norms: x += post_attn_norm(attention(attn_norm(x))), then the MLP the same."""
+        c, ops, w = self.c, self.ops, self.w
+        a = self.attention(l, ops.rmsnorm(x, w("attn_norm", l), c.rms_eps), pos, st)
+        ops.add_(x, ops.rmsnorm(a, w("post_attn_norm", l), c.rms_eps))
+        m = self.mlp(l, ops.rmsnorm(x, w("mlp_norm", l), c.rms_eps))
+        ops.add_(x, ops.rmsnorm(m, w("post_mlp_norm", l), c.rms_eps))
     def gated(self, l: int, h, a):
         g = self.ops.linear(h, self.w("attn_gate", l))
         return (a * (np.float32(1) / (np.float32(1) + np.exp(-g)))).astype(np.float32)

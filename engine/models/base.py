@@ -318,21 +318,35 @@ class MoeDecoder:
 
     def forward(self, ids: np.ndarray, st: RunState, all_logits: bool = False):
         """ids int [T] at positions st.pos.. -> logits [T, V] (all_logits) or [1, V] (last)."""
-        c, ops, w = self.c, self.ops, self.w
         t = len(ids)
         check_room(st, t)
         pos = np.arange(st.pos, st.pos + t, dtype=np.int32)
-        x = ops.embed(w("embed"), ids)                                    # [T, H]
-        for l in range(c.n_layers):
-            h = ops.rmsnorm(x, w("attn_norm", l), c.rms_eps)
-            ops.add_(x, self.attention(l, h, pos, st))
-            h = ops.rmsnorm(x, w("mlp_norm", l), c.rms_eps)
-            ops.add_(x, self.moe(l, h) if l in c.moe_layers else self.dense_mlp(l, h))
+        x = self.embed(ids)                                              # [T, H]
+        for l in range(self.c.n_layers):
+            self.layer(l, x, pos, st)
         st.pos += t
-        if not all_logits:
-            x = x[t - 1:]
-        x = ops.rmsnorm(x, w("final_norm"), c.rms_eps)
-        return ops.linear(x, w("embed") if c.tie_embeddings else w("lm_head"))
+        return self.head(x if all_logits else x[t - 1:])
+
+    def embed(self, ids: np.ndarray):
+        """The embedding rows of ids, [T, H]."""
+        return self.ops.embed(self.w("embed"), ids)
+
+    def layer(self, l: int, x, pos: np.ndarray, st: RunState) -> None:
+        """Decoder layer l on the rows x [T, H], in place: x += attention(attn_norm(x)), then
+        x += mlp(mlp_norm(x))."""
+        c, ops, w = self.c, self.ops, self.w
+        ops.add_(x, self.attention(l, ops.rmsnorm(x, w("attn_norm", l), c.rms_eps), pos, st))
+        ops.add_(x, self.mlp(l, ops.rmsnorm(x, w("mlp_norm", l), c.rms_eps)))
+
+    def mlp(self, l: int, h):
+        """Layer l's MLP on h: its experts (routed and shared) or its dense MLP."""
+        return self.moe(l, h) if l in self.c.moe_layers else self.dense_mlp(l, h)
+
+    def head(self, x):
+        """Logits [N, V] of the rows x [N, H]: the final norm, then lm_head (embed when tied)."""
+        c, w = self.c, self.w
+        return self.ops.linear(self.ops.rmsnorm(x, w("final_norm"), c.rms_eps),
+                               w("embed") if c.tie_embeddings else w("lm_head"))
 
     def attention(self, l: int, h, pos: np.ndarray, st: RunState):
         c, ops, w = self.c, self.ops, self.w

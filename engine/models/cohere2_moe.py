@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, check_room, layer_list, need
+from engine.models.base import MoeConfig, MoeDecoder, layer_list, need
 from engine.models.rope import ConfigError
 from engine.names import name
 
@@ -91,24 +91,17 @@ class Cohere2MoeDecoder(MoeDecoder):
         x = x - x.mean(-1, keepdims=True)
         return (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(c.rms_eps)) * w).astype(np.float32)
 
-    def forward(self, ids: np.ndarray, st, all_logits: bool = False):
-        c, ops, w = self.c, self.ops, self.w
-        t = len(ids)
-        check_room(st, t)
-        pos = np.arange(st.pos, st.pos + t, dtype=np.int32)
-        x = ops.embed(w("embed"), ids)
-        for l in range(c.n_layers):
-            h = self.norm(x, w("attn_norm", l))
-            a = self.attention(l, h, pos, st)
-            ops.add_(a, self.moe(l, h) if l in c.moe_layers else self.dense_mlp(l, h))
-            ops.add_(x, a)
-        st.pos += t
-        if not all_logits:
-            x = x[t - 1:]
-        x = self.norm(x, w("final_norm"))
-        logits = ops.linear(x, w("embed") if c.tie_embeddings else w("lm_head"))
-        return logits * np.float32(c.logit_scale)
+    def layer(self, l: int, x, pos: np.ndarray, st) -> None:
+        """The parallel residual: x += attention(h) + mlp(h), h = attn_norm(x)."""
+        h = self.norm(x, self.w("attn_norm", l))
+        a = self.attention(l, h, pos, st)
+        self.ops.add_(a, self.mlp(l, h))
+        self.ops.add_(x, a)
 
+    def head(self, x):
+        c, w = self.c, self.w
+        logits = self.ops.linear(self.norm(x, w("final_norm")), w("embed") if c.tie_embeddings else w("lm_head"))
+        return logits * np.float32(c.logit_scale)
     def route(self, l: int, h):
         c = self.c
         if not c.sigmoid_router:   # softmax of the top-k logits: the softmax of all, its top k renormalized

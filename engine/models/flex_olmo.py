@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, check_room, need
+from engine.models.base import MoeConfig, MoeDecoder, need
 from engine.names import name
 
 
@@ -41,22 +41,11 @@ expert_spec = base.expert_spec
 
 
 class FlexOlmoDecoder(MoeDecoder):
-    def forward(self, ids: np.ndarray, st, all_logits: bool = False):
+    def layer(self, l: int, x, pos: np.ndarray, st) -> None:
+        """x += post_attn_norm(attention(x)), then x += post_mlp_norm(mlp(x))."""
         c, ops, w = self.c, self.ops, self.w
-        t = len(ids)
-        check_room(st, t)
-        pos = np.arange(st.pos, st.pos + t, dtype=np.int32)
-        x = ops.embed(w("embed"), ids)
-        for l in range(c.n_layers):
-            ops.add_(x, ops.rmsnorm(self.attention(l, x, pos, st), w("post_attn_norm", l), c.rms_eps))
-            m = self.moe(l, x) if l in c.moe_layers else self.dense_mlp(l, x)
-            ops.add_(x, ops.rmsnorm(m, w("post_mlp_norm", l), c.rms_eps))
-        st.pos += t
-        if not all_logits:
-            x = x[t - 1:]
-        x = ops.rmsnorm(x, w("final_norm"), c.rms_eps)
-        return ops.linear(x, w("embed") if c.tie_embeddings else w("lm_head"))
-
+        ops.add_(x, ops.rmsnorm(self.attention(l, x, pos, st), w("post_attn_norm", l), c.rms_eps))
+        ops.add_(x, ops.rmsnorm(self.mlp(l, x), w("post_mlp_norm", l), c.rms_eps))
 
 Model = FlexOlmoDecoder
 Config = FlexOlmoConfig

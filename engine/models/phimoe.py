@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.models import base
-from engine.models.base import MoeConfig, MoeDecoder, check_room, need
+from engine.models.base import MoeConfig, MoeDecoder, need
 from engine.models.rope import ConfigError, rope_params
 from engine.names import name
 
@@ -78,24 +78,16 @@ class PhimoeDecoder(MoeDecoder):
         y = x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(self.c.rms_eps))
         return (y * self.w(key, l) + self.w(key + "_bias", l)).astype(np.float32)
 
-    def forward(self, ids: np.ndarray, st, all_logits: bool = False):
-        c, ops, w = self.c, self.ops, self.w
-        t = len(ids)
-        check_room(st, t)
-        pos = np.arange(st.pos, st.pos + t, dtype=np.int32)
-        x = ops.embed(w("embed"), ids)
-        for l in range(c.n_layers):
-            ops.add_(x, self.attention(l, self.norm(x, "attn_norm", l), pos, st))
-            h = self.norm(x, "mlp_norm", l)
-            ops.add_(x, self.moe(l, h) if l in c.moe_layers else self.dense_mlp(l, h))
-        st.pos += t
-        if not all_logits:
-            x = x[t - 1:]
-        logits = ops.linear(self.norm(x, "final_norm"), w("embed") if c.tie_embeddings else w("lm_head"))
-        if c.lm_head_bias:
-            ops.add_(logits, w("lm_head_bias"))
-        return logits
+    def layer(self, l: int, x, pos: np.ndarray, st) -> None:
+        self.ops.add_(x, self.attention(l, self.norm(x, "attn_norm", l), pos, st))
+        self.ops.add_(x, self.mlp(l, self.norm(x, "mlp_norm", l)))
 
+    def head(self, x):
+        c, w = self.c, self.w
+        logits = self.ops.linear(self.norm(x, "final_norm"), w("embed") if c.tie_embeddings else w("lm_head"))
+        if c.lm_head_bias:
+            self.ops.add_(logits, w("lm_head_bias"))
+        return logits
     def attention(self, l: int, h, pos: np.ndarray, st):
         a = super().attention(l, h, pos, st)
         if self.c.attention_bias:
