@@ -707,6 +707,14 @@ class CpuOps:
         rmsnorm_rows(flat, w, eps, out)
         return out.reshape(x.shape)
 
+    def layernorm(self, x: np.ndarray, w: np.ndarray, eps: float, bias=None) -> np.ndarray:
+        """LayerNorm of the last axis of x, in float32, times w, plus bias where given
+        (reference.layernorm without bias)."""
+        x = np.asarray(x, np.float32)
+        x = x - x.mean(-1, keepdims=True)
+        y = x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps)) * w
+        return (y if bias is None else y + bias).astype(np.float32)
+
     def rope(self, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, scaling: float):
         rope_inplace(x, positions, inv_freq, scaling)
         return x

@@ -52,6 +52,15 @@ def test_rmsnorm_rows():
     assert rel(out, ref.rmsnorm(x, w, 1e-6)) < 1e-5
 
 
+def test_layernorm():
+    x = rng.standard_normal((9, 48)).astype(np.float32) * 3 + 1
+    w = rng.standard_normal(48).astype(np.float32)
+    b = rng.standard_normal(48).astype(np.float32)
+    ops = cpu.CpuOps()
+    assert rel(ops.layernorm(x, w, 1e-5), ref.layernorm(x, w, 1e-5)) < 1e-5
+    assert rel(ops.layernorm(x, w, 1e-5, b), ref.layernorm(x, w, 1e-5) + b) < 1e-5
+
+
 @pytest.mark.parametrize("d,rot", [(16, 16), (32, 8), (64, 48)])
 def test_rope_full_and_partial(d, rot):
     x = rng.standard_normal((5, 3, d)).astype(np.float32)

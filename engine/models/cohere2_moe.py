@@ -87,9 +87,7 @@ class Cohere2MoeDecoder(MoeDecoder):
         c = self.c
         if not c.layer_norm:
             return self.ops.rmsnorm(x, w, c.rms_eps)
-        x = np.asarray(x, np.float32)
-        x = x - x.mean(-1, keepdims=True)
-        return (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(c.rms_eps)) * w).astype(np.float32)
+        return self.ops.layernorm(x, w, c.rms_eps)
 
     def layer(self, l: int, x, pos: np.ndarray, st) -> None:
         """The parallel residual: x += attention(h) + mlp(h), h = attn_norm(x)."""

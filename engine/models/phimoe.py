@@ -73,10 +73,7 @@ expert_spec = base.expert_spec
 class PhimoeDecoder(MoeDecoder):
     def norm(self, x, key: str, l: int | None = None):
         """LayerNorm with bias."""
-        x = np.asarray(x, np.float32)
-        x = x - x.mean(-1, keepdims=True)
-        y = x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(self.c.rms_eps))
-        return (y * self.w(key, l) + self.w(key + "_bias", l)).astype(np.float32)
+        return self.ops.layernorm(x, self.w(key, l), self.c.rms_eps, self.w(key + "_bias", l))
 
     def layer(self, l: int, x, pos: np.ndarray, st) -> None:
         self.ops.add_(x, self.attention(l, self.norm(x, "attn_norm", l), pos, st))
