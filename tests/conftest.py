@@ -373,6 +373,19 @@ def copy_config(src: Path, dst: Path, **changes) -> None:
         shutil.copyfile(src / f, dst / f)
 
 
+def bf16_copy(src: Path, dst: Path) -> Path:
+    """src (a float32 checkpoint folder) copied into dst with every float32 tensor rounded to
+    bfloat16's values: a bf16 arena packed from it holds the same numbers, so the two must agree
+    to float32's rounding (a tolerance for bf16's rounding lets a flipped top-k fail at random)."""
+    from safetensors.numpy import load_file, save_file
+    from kernels_numba.reference import round_bf16
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        sd = {k: round_bf16(v) if v.dtype == np.float32 else v for k, v in load_file(str(f)).items()}
+        save_file(sd, str(f), metadata={"format": "pt"})
+    return dst
+
+
 @pytest.fixture
 def tiny_qwen(tmp_path):
     build_hf_model(tmp_path / "m", "qwen3_moe")
