@@ -43,9 +43,15 @@ DEVICE_RESOLVE = os.environ.get("MOE_STREAM_DEVICE_RESOLVE", "1") != "0"
 # copy engine's 55, and its launch a layer cost the model's own routing (96 % VRAM hits) 3-5 %
 DEVICE_GATHER = os.environ.get("MOE_STREAM_DEVICE_GATHER", "0") == "1"
 GATHER_BLOCKS = int(os.environ.get("MOE_STREAM_GATHER_BLOCKS", "0"))   # blocks an expert (0: the kernel's)
-# the gather and the gate in one launch (gm.expert_gate_gather): simulator-tested, not yet run
-# on a GPU (2026-12-07), so off until the GPU tests have run it
+# the gather and the gate in one launch (gm.expert_gate_gather), with the gather: it cost the
+# model's own routing nothing on the H100 (docs/PERF.md, twenty-ninth session)
 GATE_FOLD = os.environ.get("MOE_STREAM_GATE_FOLD", "0") == "1"
+# a served layer's slot-table changes (its evictions and placements) as one copy of the table
+# behind its block copies, not two cuMemsetD32Async a block between them (each a driver call and
+# a stop of the copy stream). Safe while the graph stands at the layer's gate: no later gate
+# reads the table before the flag, which follows the copy. Not yet timed on a GPU (2026-12-07):
+# off until it is
+TABLE_BATCH = os.environ.get("MOE_STREAM_TABLE_BATCH", "0") == "1"
 SERVE_TIMEOUT_S = 120.0  # a token graph that neither finishes nor asks for blocks this long
 
 
@@ -903,8 +909,9 @@ class GpuDecoder:
         self._served_missing[l] = set(ids[miss].tolist())
         ev0, ev1 = self._events[l]
         ev0.record(self.xs)
-        slots[miss] = self.res.resolve(l, ids[miss], wait=False,
-                                       protect={(l, int(e)) for e in ids[~miss]})
+        with self.res.batched_table() if TABLE_BATCH else contextlib.nullcontext():
+            slots[miss] = self.res.resolve(l, ids[miss], wait=False,
+                                           protect={(l, int(e)) for e in ids[~miss]})
         self.slots_h[l] = slots
         self._writer.put(self.slots_d[l], self.slots_h[l])
         self._writer.set(self.flag_d, l, seq)

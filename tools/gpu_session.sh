@@ -243,6 +243,22 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          { run m3 tests/test_minimax_m3.py; run cpm tests/test_minicpm5.py; } &
          { run phi tests/test_phimoe.py; run kern tests/test_cuda_kernels.py -k sparsemixer; } &
          run flex tests/test_flex_olmo.py & wait ;;
+    s30) # the served layer's table changes as one copy (MOE_STREAM_TABLE_BATCH=1, 2026-12-07, not
+         # yet run): the engine's streaming tests with it, beside the synthetic arena's writing;
+         # then Qwen3-30B-A3B at --vram-gb 8 --ram-gb 32 (warm), uniform routing, without and with
+         # it, one process each
+         { [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1 \
+             > "$OUT/bench.txt"; } &
+         MOE_STREAM_TABLE_BATCH=1 LIMIT=${TEST_S:-200} run engine tests/test_gpu_engine.py \
+             -k "streaming or stream or gathered" &
+         wait
+         for b in 0 1 0 1; do
+             [ $SECONDS -lt 500 ] || break
+             echo "== table batch $b at ${SECONDS}s" >> "$OUT/bench.txt"
+             MOE_STREAM_TABLE_BATCH=$b timeout $((585 - SECONDS)) python3 -m engine.bench gpu-stream \
+                 --model /tmp/q30 --vram-gb 8 --ram-gb 32 --warm-ram --route uniform --tokens 64 \
+                 --prompt-len 128 --out "$OUT/uniform_t$b.json" 2>&1 | grep -v -i warn | tail -5 >> "$OUT/bench.txt"
+         done ;;
     newbench) # the new families' streaming decode at --vram-gb 8 --ram-gb 32 on synthetic arenas cut
          # to fit the disk (Hunyuan-A13B 16 of 32 layers, Llama-4-Scout 12 of 48, MiMo-V2-Flash 8 of 48),
          # one after another in what the call allows (2026-12-07, not yet run)
@@ -258,7 +274,7 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          timeout 90 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn \
              > "$OUT/bench.txt"
          LIMIT=${TEST_S:-150} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|s27b|s28|newbench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|s27b|s28|s30|newbench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
