@@ -1133,10 +1133,14 @@ class GpuDecoder:
         self._rotate_store(l, q3, k3, v3, pos, st)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
         ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
-                     _partials(b.partials, t, c.n_heads), cs,
-                     c.layer_windows[l] if c.layer_windows else c.sliding_window,
-                     sinks=self._sinks(l))
+                     _partials(b.partials, t, c.n_heads), cs, self._window(l), sinks=self._sinks(l))
         return b.att[:t]
+
+    def _window(self, l) -> int:
+        """Layer l's keys for ga.attention: 0 every one, W > 0 a sliding window of W, -C the
+        query's chunk of C positions (gpu_llama4)."""
+        c = self.c
+        return c.layer_windows[l] if c.layer_windows else c.sliding_window
 
     def _rotate_store(self, l, q3, k3, v3, pos, st):
         """Layer l's RoPE of q3 [T, Hq, D] and k3 [T, Hkv, D] (none in a NoPE layer; the

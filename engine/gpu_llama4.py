@@ -6,8 +6,8 @@ What changes against GpuDecoder:
   the rotation keeps a head's norm, so gd.qk_norm_rope (the norm, then the rotation, the cache
   store in the same launch) with weights of 1 gives the same rows.
 - a NoPE layer scales its queries by position (gm.query_temperature: attn_temperature_tuning).
-- chunked attention: the context is capped at attention_chunk_size (engine/runtime.py
-  context_length), where a chunked layer's attention is causal attention.
+- chunked attention: a chunked layer's queries see the keys of their chunk of
+  attention_chunk_size positions (ga.attention's window -attention_chunk_size).
 - the routing (top-k logits, their sigmoids scaling the experts' inputs) is the base decoder's
   (routing "sigmoid_input": gx.expert_mlp_scaled, gx.scaled_swiglu), as is RoPE over
   interleaved pairs (rope.pair_rows at upload).
@@ -27,6 +27,9 @@ class GpuLlama4Decoder(GpuDecoder):
     def __init__(self, c, *args, **kw):
         super().__init__(c, *args, **kw)
         self.unit = cuda.to_device(np.ones(c.head_dim, np.float32))   # the weightless norms'
+
+    def _window(self, l) -> int:
+        return -self.c.chunk if l in self.c.chunked_layers else 0
 
     def _rotate_store(self, l, q3, k3, v3, pos, st):
         """A NoPE layer scales its queries by position and rotates nothing; a RoPE layer with

@@ -253,25 +253,22 @@ def pick_device(device: str, family: str) -> str:
 def context_length(c, device: str, max_context: int | None) -> int:
     """The run state's positions: max_context, or the config's up to 4096. On cuda, a DSA family
     (DeepSeek-V3.2, GLM-5) runs dense MLA, which is its sparse attention exactly while the context
-    is at most index_topk (every position is then picked), MiniMax-M3 dense attention, its
-    sparse layers' exactly up to index_topk_blocks blocks of index_block_size keys, and Llama 4
-    causal attention, its chunked layers' up to attention_chunk_size positions: capped there,
+    is at most index_topk (every position is then picked), and MiniMax-M3 dense attention, its
+    sparse layers' exactly up to index_topk_blocks blocks of index_block_size keys: capped there,
     or refused above it."""
     n = int(max_context or min(c.max_position, 4096))
-    cap, what, kind = getattr(c, "index_topk", 0), "index_topk", "sparse"
+    cap, what = getattr(c, "index_topk", 0), "index_topk"
     if getattr(c, "sparse_layers", ()):
         cap, what = c.block_topk * c.block_size, "index_topk_blocks * index_block_size"
-    if getattr(c, "chunked_layers", ()):
-        cap, what, kind = c.chunk, "attention_chunk_size", "chunked"
     if device != "cuda":
         cap = 0
     if cap and n > cap:
         if max_context:
             raise ValueError(f"--max-context {max_context}: the cuda backend runs {c.family}'s "
-                             f"{kind} attention as dense attention, exact up to {what}={cap} "
+                             f"sparse attention as dense attention, exact up to {what}={cap} "
                              f"positions (config.json); expected at most {cap}, or --device cpu")
         print(f"{c.family} on cuda: context capped at {what}={cap} positions (dense "
-              f"attention; --device cpu runs the {kind} attention past it)", file=sys.stderr)
+              f"attention; --device cpu runs the sparse attention past it)", file=sys.stderr)
         n = cap
     return n
 

@@ -4,10 +4,12 @@ Legend: T = queries, Hq / Hkv = query / key-value heads, G = Hq / Hkv (a GQA gro
 D = head dim (<= 256), S_max = cache rows, P = splits (num_splits), n = keys a query sees.
 Cache: k, v float32 or uint16 (bf16 bits) [S_max, Hkv, D]; row j holds position j.
 q_pos int32 [T] in device memory: query t sees keys j <= q_pos[t] (and q_pos[t] - j < window
-when window > 0). Decode is T = 1 with q_pos = the position; prefill (causal) is T > 1. The
-grid depends on S_max only, so one captured graph serves every decode step; the work is cut
-where the keys are: query t's n keys go in pieces of max(split, cdiv(n, P)), so at any
-position every active block has about the same share and the rest exit at once.
+when window > 0; with window < 0, chunked attention: keys of its chunk of -window positions,
+j >= q_pos[t] - q_pos[t] % -window). Decode is T = 1 with q_pos = the position; prefill
+(causal) is T > 1. The grid depends on S_max only, so one captured graph serves every decode
+step; the work is cut where the keys are: query t's n keys go in pieces of max(split,
+cdiv(n, P)), so at any position every active block has about the same share and the rest exit
+at once.
 
     partial: grid (T * Hkv, P), ATT_WARPS warps: a block takes the G query heads of one kv head
              over one piece, so each K / V row is read once for the whole group. A warp scores
@@ -95,6 +97,8 @@ def _piece(q_pos, t, window, split, P):
     lo = 0
     if window > 0:
         lo = max(0, pos - window + 1)
+    elif window < 0:   # chunked (Llama 4): from the start of the query's chunk
+        lo = pos - pos % -window
     n = pos + 1 - lo
     return lo, n, max(split, (n + P - 1) // P)
 

@@ -123,7 +123,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
 
     q [T, Hq, D]; k, v [S, Hkv, D] (cache rows 0..S-1 hold positions 0..S-1);
     q_pos int [T]: the position of each query; key j is seen when j <= q_pos
-    (and q_pos - j < window when window > 0) -> [T, Hq, D].
+    (and q_pos - j < window when window > 0; with window < 0, chunked attention: j in the
+    query's chunk of -window positions, j >= q_pos - q_pos % -window) -> [T, Hq, D].
     sinks [Hq] (gpt-oss): one more logit per head in the softmax, with no value row.
     """
     t, hq, d = q.shape
@@ -135,6 +136,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
         seen = j <= q_pos[ti]
         if window > 0:
             seen &= (q_pos[ti] - j) < window
+        elif window < 0:
+            seen &= j >= q_pos[ti] - q_pos[ti] % -window
         for h in range(hq):
             kv = h // group
             sc = (k[seen, kv].astype(np.float64) @ q[ti, h].astype(np.float64)) * scale

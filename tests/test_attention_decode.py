@@ -98,7 +98,8 @@ def check_decode(rng, kind, s_max, hq, hkv, d, split, cases, t_alloc=1, ran=None
 
 # ---- simulator: tiny shapes -----------------------------------------------------------------
 
-S_CASES = ((0, 0), (13, 0), (31, 0), (31, 5))     # first, mid, last position; a window
+# first, mid, last position; a window; chunks (Llama 4: window -C), the last a chunk's first
+S_CASES = ((0, 0), (13, 0), (31, 0), (31, 5), (13, -6), (30, -5))
 
 
 @sim_only
@@ -169,13 +170,14 @@ def test_sim_fallbacks_and_prefill():
     q = rng.standard_normal((t, 2, 8)).astype(np.float32)
     qp = np.arange(4, 4 + t, dtype=np.int32)
     stream = cuda.stream()
-    for variant in NEW:
+    for variant, window in zip(NEW, (3, -5)):   # (a chunk boundary at 5 among positions 4-6)
         out = cuda.to_device(np.full((t, 2, 8), np.nan, np.float32))
         assert ga.attention(cuda.to_device(q), dk, dv, cuda.to_device(qp), 0.3, out,
-                            ga.alloc_partials(t, 2, 8, 12, 4), stream, window=3, split=4,
+                            ga.alloc_partials(t, 2, 8, 12, 4), stream, window=window, split=4,
                             variant=variant) == "base"
         stream.synchronize()
-        _check(out.copy_to_host(), ref.attention(q, k, v, qp, 0.3, 3), f"prefill {variant}")
+        _check(out.copy_to_host(), ref.attention(q, k, v, qp, 0.3, window),
+               f"prefill {variant} window={window}")
     with pytest.raises(ValueError, match="unknown attention variant 'v3'"):
         ga.attention(cuda.to_device(q[:1]), dk, dv, cuda.to_device(qp[:1]), 0.3, out,
                      ga.alloc_partials(1, 2, 8, 12, 4), stream, variant="v3")

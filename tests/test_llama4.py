@@ -122,24 +122,23 @@ def test_config_refused(fields, says):
         family_of({"model_type": "llama4_text", **TEXT, **fields})
 
 
-def test_cuda_context_capped(tiny, capsys):
-    """On cuda a chunked layer runs causal attention, the same up to attention_chunk_size
-    positions: the context is capped there, a longer one refused."""
+def test_cuda_context_not_capped(tiny):
+    """Chunked attention runs on cuda as itself (ga.attention's window -attention_chunk_size),
+    so the context is the config's on both backends."""
     from engine.runtime import context_length
     c = family_of(json.loads((tiny[0] / "config.json").read_text())).config
-    assert context_length(c, "cpu", None) == 256 and context_length(c, "cuda", None) == 4
-    assert "context capped at attention_chunk_size=4" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"--max-context 16: .*chunked attention .*at most 4"):
-        context_length(c, "cuda", 16)
+    assert context_length(c, "cpu", None) == 256 and context_length(c, "cuda", None) == 256
+    assert context_length(c, "cuda", 64) == 64
 
 
-# the simulator's model: a RoPE layer (chunks of 8: the state's 8 positions) with a dense MLP,
-# a NoPE layer whose temperature changes at every position, top-2 of 4 experts
+# the simulator's model: a RoPE layer (chunks of 2: the decode step at position 2 starts a new
+# one) with a dense MLP, a NoPE layer whose temperature changes at every position, top-2 of 4
+# experts
 SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=8, intermediate_size_mlp=12, num_hidden_layers=2,
            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-           attention_chunk_size=8, floor_scale=1, max_position_embeddings=64)
-# the GPU tests' model: chunks of 64 (the tests' 40 positions fit)
-GPU = dict(attention_chunk_size=64, max_position_embeddings=64)
+           attention_chunk_size=2, floor_scale=1, max_position_embeddings=64)
+# the GPU tests' model: chunks of 16 (the tests' 40 positions span three)
+GPU = dict(attention_chunk_size=16, max_position_embeddings=64)
 
 
 def test_simulator_decoder(tmp_path):
