@@ -200,12 +200,14 @@ def test_simulator_subprocess():
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
 @pytest.mark.parametrize("variant", NEW)
 def test_decode_gpu(variant, kind):
-    """Qwen3-30B-A3B: 32 / 4 heads x 128, S 4096; and S 32768 (fp32)."""
+    """Qwen3-30B-A3B: 32 / 4 heads x 128, S 4096; and S 32768 (fp32). Llama 4's chunks of 8192
+    (window -8192) at S 32768: a chunk's first position, its last, one inside."""
     rng = np.random.default_rng(7)
     check_decode(rng, kind, 4096, 32, 4, 128, 32,
                  ((0, 0), (1, 0), (255, 0), (2047, 0), (4095, 0), (4095, 1024)), variant=variant)
     if kind == "f32":
-        check_decode(rng, kind, 32768, 32, 4, 128, 32, ((32767, 0), (20000, 4096)),
+        check_decode(rng, kind, 32768, 32, 4, 128, 32, ((32767, 0), (20000, 4096), (16384, -8192),
+                                                         (16383, -8192), (30000, -8192)),
                      variant=variant)
 
 

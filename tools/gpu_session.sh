@@ -236,13 +236,17 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
     s28) # this checkout's new cuda paths and the two families the machine's transformers 5.17 cannot
          # build (2026-12-07, not yet run), all against the carried transformers 5.25 (.whl/tf,
          # tools/fetch_wheels.sh): MiniMax-M3 and MiniCPM5-MoE beside FlexOlmo and Phi-3.5-MoE (their
-         # parity, graph replay and streaming) and the sparsemixer router kernel
+         # parity, graph replay and streaming), the sparsemixer router kernel and Llama 4 (its
+         # chunked attention now on cuda), then the attention kernels' tests
          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_tf \
              .whl/tf/*.whl > "$OUT/tf.txt" 2>&1 || exit 1
          export PYTHONPATH=/tmp/site_tf:$PYTHONPATH
          { run m3 tests/test_minimax_m3.py; run cpm tests/test_minicpm5.py; } &
          { run phi tests/test_phimoe.py; run kern tests/test_cuda_kernels.py -k sparsemixer; } &
-         run flex tests/test_flex_olmo.py & wait ;;
+         { run flex tests/test_flex_olmo.py; run l4 tests/test_llama4.py; } &
+         wait
+         # the chunked attention's kernels (window -C) at real shapes with the rest of the file's
+         LIMIT=$((590 - SECONDS)) run att tests/test_attention_decode.py ;;
     s30) # the served layer's table changes as one copy (MOE_STREAM_TABLE_BATCH=1, 2026-12-07, not
          # yet run): the engine's streaming tests with it, beside the synthetic arena's writing;
          # then Qwen3-30B-A3B at --vram-gb 8 --ram-gb 32 (warm), uniform routing, without and with
