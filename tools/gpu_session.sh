@@ -263,6 +263,26 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
                  --model /tmp/q30 --vram-gb 8 --ram-gb 32 --warm-ram --route uniform --tokens 64 \
                  --prompt-len 128 --out "$OUT/uniform_t$b.json" 2>&1 | grep -v -i warn | tail -5 >> "$OUT/bench.txt"
          done ;;
+    s31) # where the streamed token's time goes (2026-12-07, not yet run): an Nsight Systems
+         # timeline of Qwen3-30B-A3B at --vram-gb 8 --ram-gb 32 (warm), uniform routing, 24 tokens:
+         # the copy stream's copies and memsets, the gates' stops and the host's driver calls.
+         # The bench's "compute" (13.6 ms a token on the H100, twenty-ninth session) is 3.6x the
+         # all-resident token's 3.8 ms: the timeline says which of the stops' latencies it is
+         NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | tail -1)
+         echo "nsys: $NSYS" > "$OUT/bench.txt"
+         [ -n "$NSYS" ] || exit 1
+         [ -d /tmp/q30 ] || python3 -m engine.synth qwen3-30b-a3b /tmp/q30 --force 2>&1 | tail -1 >> "$OUT/bench.txt"
+         for b in 0 1; do
+             MOE_STREAM_TABLE_BATCH=$b timeout 200 "$NSYS" profile -t cuda,osrt,nvtx -s none \
+                 -o "$OUT/stream_t$b" -f true python3 -m engine.bench gpu-stream --model /tmp/q30 \
+                 --vram-gb 8 --ram-gb 32 --warm-ram --route uniform --tokens 24 --prompt-len 32 \
+                 2>&1 | grep -v -i warn | tail -3 >> "$OUT/bench.txt"
+             "$NSYS" stats -r cuda_api_sum,cuda_gpu_mem_time_sum,cuda_gpu_kern_sum -f csv \
+                 -o "$OUT/stream_t$b" "$OUT/stream_t$b.nsys-rep" > /dev/null 2>&1
+             "$NSYS" stats -r cuda_gpu_trace -f csv -o "$OUT/trace_t$b" "$OUT/stream_t$b.nsys-rep" \
+                 > /dev/null 2>&1 && gzip -f "$OUT"/trace_t$b*.csv
+             rm -f "$OUT/stream_t$b.sqlite"
+         done ;;
     newbench) # the new families' streaming decode at --vram-gb 8 --ram-gb 32 on synthetic arenas cut
          # to fit the disk (Hunyuan-A13B 16 of 32 layers, Llama-4-Scout 12 of 48, MiMo-V2-Flash 8 of 48),
          # one after another in what the call allows (2026-12-07, not yet run)
@@ -278,7 +298,7 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          timeout 90 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn \
              > "$OUT/bench.txt"
          LIMIT=${TEST_S:-150} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|s27b|s28|s30|newbench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|s27b|s28|s30|s31|newbench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
