@@ -1125,7 +1125,7 @@ class GpuDecoder:
         pos = b.pos[:t]
         self._rotate_store(l, q3, k3, v3, pos, st)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
-        ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
+        ga.attention(q3, st.k[l], st.v[l], pos, c.qk_scale, att3,
                      _partials(b.partials, t, c.n_heads), cs,
                      c.layer_windows[l] if c.layer_windows else c.sliding_window,
                      sinks=self._sinks(l))
