@@ -6,12 +6,14 @@ layers, sinks and NoPE layers; the cuda decoder (engine/gpu_granitemoe.py) under
 and, marked gpu, on a GPU."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 import engine
-from conftest import (bf16_copy, check_against, check_prefill_equals_token_by_token, check_state_resumes,
-                      rel_err, save_tiny, widen_init)
+from conftest import (bf16_copy, check_against, check_packed_graph_replay, check_prefill_equals_token_by_token,
+                      check_state_resumes, rel_err, run_simulator_decoder, save_tiny, widen_init)
 from engine.models import family_of
 from engine.models.rope import ConfigError
 
@@ -86,7 +88,7 @@ def test_transformers_names(tmp_path):
     check_against(ref, engine.load(tmp_path, device="cpu"), n_ids=10, n_new=8)
 
 
-@pytest.mark.parametrize("family,over", CASES[1:], ids=IDS[1:])
+@pytest.mark.parametrize("family,over", CASES, ids=IDS)
 def test_packed(tmp_path, family, over):
     """A bf16 arena packed from a checkpoint (its weights bf16 values) gives that checkpoint's
     logits: the fused experts split per expert, the shared expert dense."""
@@ -131,3 +133,37 @@ def test_missing_expert_named(tmp_path):
     save_file(sd, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model.layers.1.block_sparse_moe.experts.0.down_proj.weight not found"):
         engine.load(tmp_path, device="cpu")
+
+
+SIM = dict(vocab_size=24, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+           num_key_value_heads=1, num_local_experts=4, max_position_embeddings=64)
+SIM_CASES = [("granitemoeshared", dict(shared_intermediate_size=8, attention_bias=True)),
+             ("granitemoe_swa", dict(shared_intermediate_size=8, sliding_window=1,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     layer_rope_theta=[10000.0, 0]))]
+
+
+@pytest.mark.parametrize("family,over", SIM_CASES, ids=["shared-biases", "swa"])
+def test_simulator_decoder(tmp_path, family, over):
+    """The eager CUDA decoder (engine/gpu_granitemoe.py) under NUMBA_ENABLE_CUDASIM=1 against the
+    CPU backend on a bf16 build: tests/test_families_cuda.py's check, run as a script."""
+    build(tmp_path, family, "bfloat16", **SIM, **over)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == family
+    run_simulator_decoder(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,over", CASES, ids=IDS)
+def test_cuda_matches_transformers(tmp_path, family, over):
+    ref = build(tmp_path, family, "bfloat16", **over)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident", [True, False])
+@pytest.mark.parametrize("family,over", CASES[1:], ids=IDS[1:])
+def test_graph_replay_and_streaming(tmp_path, family, over, resident):
+    """Graph replay = eager = the CPU backend on a packed arena (NVFP4 experts, 16 of them),
+    resident or streamed under a tiny budget: the multipliers, the shared expert, the biases
+    (and granitemoe_swa's windows, sinks and NoPE layer) in every path."""
+    check_packed_graph_replay(tmp_path, resident, build, family, hidden_size=64, num_local_experts=16, **over)
