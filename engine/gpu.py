@@ -1132,7 +1132,7 @@ class GpuDecoder:
         pos = b.pos[:t]
         self._rotate_store(l, q3, k3, v3, pos, st)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
-        ga.attention(q3, st.k[l], st.v[l], pos, c.head_dim ** -0.5, att3,
+        ga.attention(q3, st.k[l], st.v[l], pos, c.qk_scale, att3,
                      _partials(b.partials, t, c.n_heads), cs, self._window(l), sinks=self._sinks(l))
         return b.att[:t]
 

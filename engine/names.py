@@ -171,6 +171,19 @@ _HUNYUAN = {**_LLAMA_LIKE,
             "shared_up": "model.layers.{l}.mlp.shared_mlp.up_proj.weight",
             "shared_down": "model.layers.{l}.mlp.shared_mlp.down_proj.weight"}
 
+# Granite MoE: the MoE under block_sparse_moe, the router's weight and the fused experts as
+# transformers names them (loader/checkpoint.py renames the releases' input_linear /
+# output_linear / router.layer), the shared expert's gate and up rows split from
+# shared_mlp.input_linear, granitemoe_swa's sinks
+_GRANITEMOE = {**_LLAMA_LIKE, "router": "model.layers.{l}.block_sparse_moe.router.weight",
+               "expert_gate": "model.layers.{l}.block_sparse_moe.experts.{e}.gate_proj.weight",
+               "expert_up": "model.layers.{l}.block_sparse_moe.experts.{e}.up_proj.weight",
+               "expert_down": "model.layers.{l}.block_sparse_moe.experts.{e}.down_proj.weight",
+               "shared_gate": "model.layers.{l}.shared_mlp.gate_proj.weight",
+               "shared_up": "model.layers.{l}.shared_mlp.up_proj.weight",
+               "shared_down": "model.layers.{l}.shared_mlp.output_linear.weight",
+               "sinks": "model.layers.{l}.self_attn.sinks"}
+
 # MiMo-V2-Flash: DeepSeek-V3's router names, no shared experts, the sliding layers' sinks
 _MIMO = {**_LLAMA_LIKE, "router_bias": "model.layers.{l}.mlp.gate.e_score_correction_bias",
          "sinks": "model.layers.{l}.self_attn.attention_sink_bias"}
@@ -245,6 +258,9 @@ NAMES: dict[str, dict[str, str]] = {
     "flex_olmo": _FLEX_OLMO,
     "phimoe": _PHIMOE,
     "hunyuan_v1_moe": _HUNYUAN,
+    "granitemoe": _GRANITEMOE,
+    "granitemoeshared": _GRANITEMOE,
+    "granitemoe_swa": _GRANITEMOE,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,
     "llama4": {k: "language_model." + v for k, v in _LLAMA4.items()},

@@ -214,6 +214,7 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
+                "granitemoe", "granitemoeshared", "granitemoe_swa",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
                 "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe", "ernie4_5_vl_moe",
                 "minicpm5_moe", "flex_olmo", "phimoe")
@@ -228,6 +229,9 @@ GPU_DECODERS = {
     "llama4_text": ("gpu_llama4", "GpuLlama4Decoder"),
     "mimo_v2_flash": ("gpu_mimo", "GpuMimoDecoder"),           # narrow V heads, sinks a layer
     "afmoe": ("gpu_afmoe", "GpuAfmoeDecoder"),                 # sandwich norms, the output gate
+    "granitemoe": ("gpu_granitemoe", "GpuGraniteMoeDecoder"),  # the multipliers, granitemoe_swa's sinks
+    "granitemoeshared": ("gpu_granitemoe", "GpuGraniteMoeDecoder"),
+    "granitemoe_swa": ("gpu_granitemoe", "GpuGraniteMoeDecoder"),
     "minicpm5_moe": ("gpu_minicpm", "GpuMinicpmDecoder"),      # the gate from q_proj
     "flex_olmo": ("gpu_flex_olmo", "GpuFlexOlmoDecoder"),      # norms after attention and the MLP only
     "phimoe": ("gpu_phimoe", "GpuPhimoeDecoder"),              # LayerNorms with bias, sparsemixer routing

@@ -35,6 +35,14 @@ INT_DTYPES = ("I64", "I32", "I16")
 FP8_SCALES = ("_scale_inv", "_scale")   # suffixes of an FP8 weight's scale tensor (q * scale)
 NVFP4_GROUP = 16                          # NVFP4 values a block scale covers
 TRANSPOSED_FUSED = ("gpt_oss",)           # model types whose fused experts are [E, K, N]
+# tensors a family's releases name otherwise than transformers does after loading them (its
+# conversion_mapping's renames): (model types, the released name, transformers'); read under
+# transformers' name, so a release and a folder transformers saved with save_original_format=False
+# load alike
+RENAMED = tuple((("granitemoe", "granitemoeshared"), re.compile(rf"^(?P<p>.*\.block_sparse_moe)\.{old}$"), new)
+                for old, new in ((r"input_linear\.weight", "experts.gate_up_proj"),
+                                 (r"output_linear\.weight", "experts.down_proj"),
+                                 (r"router\.layer\.weight", "router.weight")))
 # where AutoGPTQ and AutoAWQ wrote their settings before config.json's quantization_config
 SIDE_QUANT_CONFIGS = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
 
@@ -142,6 +150,7 @@ class Checkpoint:
         self._maps: dict[Path, np.memmap] = {}
         for f in self._weight_files():
             self.tensors.update(read_safetensors_header(f))
+        self._rename()
         # FP8 weight name -> (its stored tensor, its scale tensor, block rows, block columns)
         self.fp8: dict[str, tuple] = {}
         # NVFP4 weight name -> (its values, its block scales, its global scale tensor)
@@ -164,6 +173,18 @@ class Checkpoint:
             self._split_transposed_experts()
         else:
             self._split_fused_experts()
+
+    def _rename(self) -> None:
+        """The released names of RENAMED read under transformers' (the same bytes)."""
+        rules = [(pat, new) for types, pat, new in RENAMED if self.config.get("model_type") in types]
+        for name, t in list(self.tensors.items()):
+            for pat, to in rules:
+                m = pat.match(name)
+                if m is not None:
+                    del self.tensors[name]
+                    to = f"{m['p']}.{to}"
+                    self.tensors[to] = TensorInfo(to, t.file, t.dtype, t.shape, t.start, t.nbytes)
+                    break
 
     def _weight_files(self, base: str = "model") -> list[Path]:
         index = self.dir / f"{base}.safetensors.index.json"
@@ -556,9 +577,9 @@ class Checkpoint:
 
     _FUSED = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
     # a dense or shared MLP's gate and up rows as one matrix [2I, H], gate first (transformers
-    # versions that save MiniMax-M3's dense MLPs as they hold them)
+    # versions that save MiniMax-M3's dense MLPs as they hold them; Granite's shared_mlp.input_linear)
     _DENSE_FUSED = re.compile(r"^(?P<p>.*\.(?:mlp|shared_mlp|shared_expert|shared_experts|feed_forward))"
-                              r"\.gate_up_proj\.weight$")
+                              r"\.(?:gate_up_proj|input_linear)\.weight$")
     # Step-3.5's experts: each projection stacked alone, [E, I, H] / [E, H, I], under .moe.
     _STACKED = re.compile(r"^(?P<p>.*\.moe)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 

@@ -119,6 +119,8 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "llama4": "GpuLlama4Decoder", "llama4_text": "GpuLlama4Decoder",   # tests/test_llama4.py
             "mimo_v2_flash": "GpuMimoDecoder",   # tests/test_mimo_v2_flash.py
             "afmoe": "GpuAfmoeDecoder",          # tests/test_afmoe.py
+            "granitemoe": "GpuGraniteMoeDecoder", "granitemoeshared": "GpuGraniteMoeDecoder",   # tests/test_granitemoe.py
+            "granitemoe_swa": "GpuGraniteMoeDecoder",
             "minicpm5_moe": "GpuMinicpmDecoder",   # tests/test_minicpm5.py
             "flex_olmo": "GpuFlexOlmoDecoder",     # tests/test_flex_olmo.py
             "phimoe": "GpuPhimoeDecoder"}          # tests/test_phimoe.py

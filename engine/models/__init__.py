@@ -16,6 +16,7 @@ from engine.models import (afmoe, cohere2_moe, deepseek_v2, deepseek_v3, deepsee
                            glm_moe_dsa, gpt_oss, hunyuan_v1_moe, kimi_k25, llama4, mimo_v2_flash, minimax_m2,
                            minicpm5_moe, minimax_m3, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next,
                            qwen3_omni_moe, qwen3_vl_moe, solar_open, step3p5)
+from engine.models import granitemoe
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -48,6 +49,9 @@ FAMILIES = {
     "llama4_text": llama4,               # a text-only Llama 4 folder
     "solar_open": solar_open,            # Solar-Open-100B: DeepSeek-V3's MoE beside llama attention
     "hunyuan_v1_moe": hunyuan_v1_moe,    # Hunyuan-A13B: q / k norms after RoPE
+    "granitemoe": granitemoe,            # Granite MoE: muP multipliers on the embeddings, scores, branches, logits
+    "granitemoeshared": granitemoe,      # Granite MoE with a shared expert
+    "granitemoe_swa": granitemoe,        # Granite MoE with sliding-window layers and attention sinks
     "mimo_v2_flash": mimo_v2_flash,      # MiMo-V2-Flash: sliding layers with sinks, V heads narrower than K
     "afmoe": afmoe,                      # Arcee Trinity: sandwich norms, an attention output gate
     "glm4v_moe": glm4v_moe,              # GLM-4.5V / 4.6V: the image-text wrapper's language model (glm4_moe)

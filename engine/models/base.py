@@ -100,6 +100,7 @@ class MoeConfig:
     rope_pairs: bool = False        # rotary dims in interleaved pairs (q / k rows reordered: rope.pair_rows)
     layer_windows: tuple = ()       # per layer: its sliding window, 0 = full (else sliding_window for all)
     nope_layers: tuple = ()         # layers whose q / k are not rotated (NoPE)
+    score_scale: float = 0.0        # the attention scores' scale, 0: head_dim ** -0.5 (Granite's attention_multiplier)
     eos_token_ids: tuple = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -110,6 +111,11 @@ class MoeConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def qk_scale(self) -> float:
+        """What the attention scores q . k are multiplied by."""
+        return self.score_scale or self.head_dim ** -0.5
 
     @property
     def kv_tensors(self) -> int:
@@ -374,7 +380,7 @@ class MoeDecoder:
         if c.qk_norm == "head_after_rope":
             q, k = ops.rmsnorm(q, w("q_norm", l), c.rms_eps), ops.rmsnorm(k, w("k_norm", l), c.rms_eps)
         ops.kv_store(st.k[l], st.v[l], int(pos[0]), k, v, self.kv_bf16)
-        a = ops.attention(q, st.k[l], st.v[l], pos, c.head_dim ** -0.5, self.window(l),
+        a = ops.attention(q, st.k[l], st.v[l], pos, c.qk_scale, self.window(l),
                           self.sinks(l))
         return ops.linear(self.gated(l, h, a.reshape(t, c.q_dim)), w("o", l))
 
