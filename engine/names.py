@@ -213,6 +213,16 @@ _PHIMOE = {**_MIXTRAL,
            "mlp_norm_bias": "model.layers.{l}.post_attention_layernorm.bias",
            "final_norm_bias": "model.norm.bias", "lm_head_bias": "lm_head.bias"}
 
+# DBRX: q | k | v fused in Wqkv, LayerNorms norm_1 / norm_2 / norm_f, the experts fused flat per
+# projection (w1 gate, v1 up, w2 down transposed): loader/checkpoint.py exposes each expert's under
+# the per-expert names below
+_DBRX = {"embed": "transformer.wte.weight", "final_norm": "transformer.norm_f.weight", "lm_head": "lm_head.weight",
+         **{k: "transformer.blocks.{l}." + v for k, v in (
+             ("attn_norm", "norm_attn_norm.norm_1.weight"), ("mlp_norm", "norm_attn_norm.norm_2.weight"),
+             ("qkv", "norm_attn_norm.attn.Wqkv.weight"), ("o", "norm_attn_norm.attn.out_proj.weight"),
+             ("router", "ffn.router.layer.weight"), ("expert_gate", "ffn.experts.mlp.{e}.w1"),
+             ("expert_up", "ffn.experts.mlp.{e}.v1"), ("expert_down", "ffn.experts.mlp.{e}.w2"))}}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -257,6 +267,7 @@ NAMES: dict[str, dict[str, str]] = {
     "afmoe": _AFMOE,
     "flex_olmo": _FLEX_OLMO,
     "phimoe": _PHIMOE,
+    "dbrx": _DBRX,
     "hunyuan_v1_moe": _HUNYUAN,
     "granitemoe": _GRANITEMOE,
     "granitemoeshared": _GRANITEMOE,

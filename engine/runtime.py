@@ -217,7 +217,7 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "granitemoe", "granitemoeshared", "granitemoe_swa",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
                 "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe", "ernie4_5_vl_moe",
-                "minicpm5_moe", "flex_olmo", "phimoe")
+                "minicpm5_moe", "flex_olmo", "phimoe", "dbrx")
 
 # model_type -> (module of engine, class): the llama-like families whose cuda decoder is their own
 # (the hybrid and MLA ones are chosen by their configs' kind); any other runs engine/gpu.py's
@@ -235,6 +235,7 @@ GPU_DECODERS = {
     "minicpm5_moe": ("gpu_minicpm", "GpuMinicpmDecoder"),      # the gate from q_proj
     "flex_olmo": ("gpu_flex_olmo", "GpuFlexOlmoDecoder"),      # norms after attention and the MLP only
     "phimoe": ("gpu_phimoe", "GpuPhimoeDecoder"),              # LayerNorms with bias, sparsemixer routing
+    "dbrx": ("gpu_dbrx", "GpuDbrxDecoder"),                    # LayerNorms, Wqkv, p-normed routing
 }
 
 
@@ -424,7 +425,7 @@ class Engine:
             # alignment and the decoder's float32 copies of small weights, bounded generously)
             per_layer: dict = {}
             for n, w in self._dense.items():
-                m = re.search(r"\.layers\.(\d+)\.", n)
+                m = re.search(r"\.(?:layers|blocks)\.(\d+)\.", n)   # blocks: DBRX's
                 if m and n not in host_only:
                     per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + np.asarray(w).nbytes
             glob = dense_bytes - sum(per_layer.values())

@@ -195,8 +195,9 @@ def _softmax_row(x, out):
 def router_topk(logits, k, norm, ids, weights):
     """logits [T, E] f32 -> ids int32 [T, K], weights f32 [T, K].
 
-    softmax in float32 over all experts, the k largest (lower index first on ties),
-    renormalized when norm.
+    softmax in float32 over all experts, the k largest (lower index first on ties), divided
+    by their p-norm, p = norm: 0 none, 1 their sum (renormalized), 2 their 2-norm
+    (reference.router_topk).
     """
     t, e = logits.shape
     for ti in range(t):
@@ -204,6 +205,7 @@ def router_topk(logits, k, norm, ids, weights):
         _softmax_row(logits[ti], p)
         taken = np.zeros(e, dtype=np.bool_)
         s = np.float32(0.0)
+        s2 = np.float32(0.0)
         for kk in range(k):
             best = -1
             for j in range(e):
@@ -213,6 +215,9 @@ def router_topk(logits, k, norm, ids, weights):
             ids[ti, kk] = best
             weights[ti, kk] = p[best]
             s += p[best]
+            s2 += p[best] * p[best]
+        if norm == 2:
+            s = np.float32(np.sqrt(s2))
         if norm:
             for kk in range(k):
                 weights[ti, kk] /= s
@@ -726,11 +731,12 @@ class CpuOps:
         attention_gqa(q, kc, vc, q_pos, np.float32(scale), window, sk, out)
         return out
 
-    def router(self, logits: np.ndarray, k: int, norm: bool):
+    def router(self, logits: np.ndarray, k: int, norm: int):
+        """softmax top-k; norm: the weights over their p-norm, 0 / False none, 1 / True sum, 2."""
         t = logits.shape[0]
         ids = np.empty((t, k), dtype=np.int32)
         w = np.empty((t, k), dtype=np.float32)
-        router_topk(np.ascontiguousarray(logits, dtype=np.float32), k, norm, ids, w)
+        router_topk(np.ascontiguousarray(logits, dtype=np.float32), k, int(norm), ids, w)
         return ids, w
 
     def router_sparsemixer(self, logits: np.ndarray, eps: float):

@@ -2,8 +2,8 @@
 
 Legend: T = tokens, E = experts, K = top-k, V = vocab.
     router_topk: logits float32 [T, E] -> ids int32 [T, K], weights float32 [T, K];
-                 softmax over all E, K largest (lower index first on ties), renormalized when
-                 norm_topk_prob. One warp per token, E <= ROUTER_MAX_E. Optionally also
+                 softmax over all E, K largest (lower index first on ties), divided by their
+                 p-norm, p = norm_topk_prob: 0 / False none, 1 / True sum, 2 (DBRX's) 2-norm. One warp per token, E <= ROUTER_MAX_E. Optionally also
                  slots int32 [T, K] = slot_of[ids] (slot_of int32 [E]) in the same launch.
                  Variants (router_topk(variant=...), default ROUTER_VARIANT):
                  "base": the logits parked in shared memory, K rounds of a lane scan + warp
@@ -87,15 +87,19 @@ def _make_router_topk(SLOTS):
             s += math.exp(buf[e] - m)
         s = warp_sum(s, red)
         tot = float32(0.0)
+        tot2 = float32(0.0)
         for k in range(K):
             bv, bi = _take_best(buf, E, red, red_i)
             p = math.exp(bv - m) / s
             tot += p
+            tot2 += p * p
             if lane == 0:
                 ids[t, k] = bi
                 weights[t, k] = p
                 if SLOTS:
                     slots[t, k] = slot_of[bi]
+        if norm == 2:
+            tot = math.sqrt(tot2)
         if norm and lane == 0:
             for k in range(K):
                 weights[t, k] = weights[t, k] / tot
@@ -162,6 +166,7 @@ def _make_router_topk_v2(NL, SLOTS):
                     key[i] = NEG_INF
         s = warp_sum(s, red)
         tot = float32(0.0)
+        tot2 = float32(0.0)
         my_i = int32(0)                               # lane k: pick k
         my_p = float32(0.0)
         for k in range(K):
@@ -175,6 +180,7 @@ def _make_router_topk_v2(NL, SLOTS):
             bv, bi = warp_argmax(bv, bi, red, red_i)
             p = math.exp(bv - m) / s
             tot += p
+            tot2 += p * p
             for i in range(NL):
                 if i * WARP + lane == bi:
                     key[i] = NAN
@@ -183,6 +189,8 @@ def _make_router_topk_v2(NL, SLOTS):
             if lane == k:
                 my_i = bi
                 my_p = p
+        if norm == 2:
+            tot = math.sqrt(tot2)
         if lane < K:
             ids[t, lane] = my_i
             weights[t, lane] = my_p / tot if norm else my_p
@@ -225,7 +233,7 @@ def router_topk(logits, norm_topk_prob, ids, weights, stream, slots=None, varian
     if variant not in ROUTER_VARIANTS:
         raise ValueError(f"unknown router_topk variant {variant!r} (one of {ROUTER_VARIANTS})")
     v2 = variant == "v2" and k <= WARP
-    norm = int32(1 if norm_topk_prob else 0)
+    norm = int32(2 if norm_topk_prob == 2 else 1 if norm_topk_prob else 0)
     if slots is None:
         kern = router_topk_v2_kernel(e, False) if v2 else _router_topk
         kern[t, WARP, stream](logits, norm, ids, weights)

@@ -173,18 +173,21 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return (x.astype(np.float64) @ wf.astype(np.float64).T).astype(np.float32)
 
 
-def router_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+def router_topk(logits: np.ndarray, k: int, norm_topk_prob: int) -> tuple[np.ndarray, np.ndarray]:
     """logits [T, E] -> (ids int32 [T, K], weights float32 [T, K]).
 
     softmax over all experts, the k largest probabilities (larger first, lower index first on
-    ties), renormalized to sum 1 when norm_topk_prob.
+    ties), divided by their p-norm with p = norm_topk_prob: 0 / False none, 1 / True their sum
+    (renormalized to sum 1), 2 their 2-norm (DBRX's moe_normalize_expert_weights).
     """
     l64 = logits.astype(np.float64)
     p = np.exp(l64 - l64.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     ids = np.argsort(-p, axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(p, ids, axis=-1)
-    if norm_topk_prob:
+    if norm_topk_prob == 2:
+        w = w / np.sqrt((w * w).sum(axis=-1, keepdims=True))
+    elif norm_topk_prob:
         w = w / w.sum(axis=-1, keepdims=True)
     return ids, w.astype(np.float32)
 

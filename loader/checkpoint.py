@@ -35,6 +35,7 @@ INT_DTYPES = ("I64", "I32", "I16")
 FP8_SCALES = ("_scale_inv", "_scale")   # suffixes of an FP8 weight's scale tensor (q * scale)
 NVFP4_GROUP = 16                          # NVFP4 values a block scale covers
 TRANSPOSED_FUSED = ("gpt_oss",)           # model types whose fused experts are [E, K, N]
+FLAT_FUSED = ("dbrx",)                    # model types whose fused experts are [E I, H] a projection
 # tensors a family's releases name otherwise than transformers does after loading them (its
 # conversion_mapping's renames): (model types, the released name, transformers'); read under
 # transformers' name, so a release and a folder transformers saved with save_original_format=False
@@ -171,6 +172,8 @@ class Checkpoint:
         self.derived: dict[str, tuple] = {}
         if self.config.get("model_type") in TRANSPOSED_FUSED:
             self._split_transposed_experts()
+        elif self.config.get("model_type") in FLAT_FUSED:
+            self._split_flat_experts()
         else:
             self._split_fused_experts()
 
@@ -667,6 +670,35 @@ class Checkpoint:
                 self.tensors[view] = TensorInfo(view, t.file, dtype, shape, t.start,
                                                 int(np.prod(shape)) * item)
                 self.derived[view] = (t, e, sl, sc)
+
+    _FLAT = re.compile(r"^(?P<p>.*\.experts\.mlp)\.(?P<kind>w1|v1|w2)$")
+
+    def _split_flat_experts(self) -> None:
+        """DBRX fuses a layer's experts flat, one [E I, H] tensor a projection: w1 (gate) and v1
+        (up) as x @ w^T, w2 as act @ w2. Each expert's I rows of w1 / v1 are views (byte ranges,
+        no copy) under `<p>.<expert>.w1` / `.v1`; its w2 rows are copied out transposed, [H, I],
+        under `<p>.<expert>.w2`. E from config.json's ffn_config.moe_num_experts."""
+        ffn = self.config.get("ffn_config") if isinstance(self.config.get("ffn_config"), dict) else {}
+        e_n = int(ffn.get("moe_num_experts", 4))
+        for name, t in list(self.tensors.items()):
+            m = self._FLAT.match(name)
+            if m is None or t.dtype not in FLOAT_DTYPES:
+                continue   # require() names the dtype when the model asks for a view
+            if len(t.shape) != 2 or t.shape[0] % e_n:
+                raise CheckpointError(f"{t.file}: fused tensor {name} has shape {list(t.shape)}; expected "
+                                      f"[{e_n} experts x their rows, hidden] (ffn_config.moe_num_experts={e_n})")
+            rows, cols = t.shape[0] // e_n, t.shape[1]
+            per_expert = t.nbytes // e_n
+            src = TensorInfo(name, t.file, t.dtype, (e_n, rows, cols), t.start, t.nbytes)   # [E, I, H]
+            for e in range(e_n):
+                view = f"{m['p']}.{e}.{m['kind']}"
+                if m["kind"] == "w2":   # get() copies expert e's rows out transposed
+                    self.tensors[view] = TensorInfo(view, t.file, t.dtype, (cols, rows), t.start, per_expert)
+                    self.derived[view] = (src, e, None, None)
+                else:
+                    self.tensors[view] = TensorInfo(view, t.file, t.dtype, (rows, cols), t.start + e * per_expert,
+                                                    per_expert)
+                    self.fused[view] = name
 
     _FUSED_T = re.compile(r"^(?P<p>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)"
                           r"(?P<suffix>_bias|_blocks)?$")

@@ -148,7 +148,7 @@ def test_expert_block_swiglu_and_clamped(fmt, t, h, i):
     assert rel(ref.limited_expert(x, dg, du, dd, limit), want) > 1e-2
 
 
-@pytest.mark.parametrize("e,k,norm", [(8, 1, False), (8, 2, True), (16, 16, False), (5, 3, True)])
+@pytest.mark.parametrize("e,k,norm", [(8, 1, False), (8, 2, True), (16, 16, False), (5, 3, True), (16, 4, 2)])
 def test_router_topk(e, k, norm):
     logits = rng.standard_normal((6, e)).astype(np.float32) * 2
     ids = np.full((6, k), -1, np.int32)

@@ -123,7 +123,8 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "granitemoe_swa": "GpuGraniteMoeDecoder",
             "minicpm5_moe": "GpuMinicpmDecoder",   # tests/test_minicpm5.py
             "flex_olmo": "GpuFlexOlmoDecoder",     # tests/test_flex_olmo.py
-            "phimoe": "GpuPhimoeDecoder"}          # tests/test_phimoe.py
+            "phimoe": "GpuPhimoeDecoder",          # tests/test_phimoe.py
+            "dbrx": "GpuDbrxDecoder"}              # tests/test_dbrx.py
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))

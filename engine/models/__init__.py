@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.models import (afmoe, cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dots1,
+from engine.models import (afmoe, cohere2_moe, dbrx, deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dots1,
                            ernie4_5_moe, ernie4_5_vl_moe, exaone_moe, flex_olmo, glm4_moe, glm4_moe_lite, glm4v_moe,
                            glm_moe_dsa, gpt_oss, hunyuan_v1_moe, kimi_k25, llama4, mimo_v2_flash, minimax_m2,
                            minicpm5_moe, minimax_m3, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next,
@@ -60,6 +60,7 @@ FAMILIES = {
     "minicpm5_moe": minicpm5_moe,        # MiniCPM5-MoE: gated attention, DeepSeek-V3's MoE
     "flex_olmo": flex_olmo,              # FlexOlmo: OLMoE with norms after attention and the MLP
     "phimoe": phimoe,                    # Phi-3.5-MoE: LayerNorms, sparsemixer routing (CPU backend)
+    "dbrx": dbrx,                        # DBRX: fused Wqkv, LayerNorms, p-normed top-k weights
 }
 
 # model types that are another family's architecture under their own name

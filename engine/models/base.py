@@ -357,7 +357,7 @@ class MoeDecoder:
     def attention(self, l: int, h, pos: np.ndarray, st: RunState):
         c, ops, w = self.c, self.ops, self.w
         t = h.shape[0]
-        q, k, v = ops.linear(h, w("q", l)), ops.linear(h, w("k", l)), ops.linear(h, w("v", l))
+        q, k, v = self.qkv(l, h)
         if c.attention_bias:
             ops.add_(q, w("q_bias", l))
             ops.add_(k, w("k_bias", l))
@@ -383,6 +383,12 @@ class MoeDecoder:
         a = ops.attention(q, st.k[l], st.v[l], pos, c.qk_scale, self.window(l),
                           self.sinks(l))
         return ops.linear(self.gated(l, h, a.reshape(t, c.q_dim)), w("o", l))
+
+    def qkv(self, l: int, h):
+        """Layer l's q [T, Hq D], k and v [T, Hkv D] of the normed rows h, before any bias (a
+        family with one fused projection splits it: DBRX's)."""
+        w = self.w
+        return self.ops.linear(h, w("q", l)), self.ops.linear(h, w("k", l)), self.ops.linear(h, w("v", l))
 
     def gated(self, l: int, h, a):
         """The heads' output a [T, Hq D] before o_proj, of the attention's input h (a family's
