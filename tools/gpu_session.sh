@@ -283,6 +283,10 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
                  > /dev/null 2>&1 && gzip -f "$OUT"/trace_t$b*.csv
              rm -f "$OUT/stream_t$b.sqlite"
          done ;;
+    s32) # DBRX and the Granite MoE families on cuda (2026-12-07, not yet run: parity, graph replay,
+         # streaming) beside the router kernels' tests (router_topk's new norm 2)
+         { run dbrx tests/test_dbrx.py; run kern tests/test_cuda_kernels.py -k router; } &
+         run granite tests/test_granitemoe.py & wait ;;
     newbench) # the new families' streaming decode at --vram-gb 8 --ram-gb 32 on synthetic arenas cut
          # to fit the disk (Hunyuan-A13B 16 of 32 layers, Llama-4-Scout 12 of 48, MiMo-V2-Flash 8 of 48),
          # one after another in what the call allows (2026-12-07, not yet run)
@@ -298,7 +302,7 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          timeout 90 python3 tools/gather_probe.py --json "$OUT/probe.json" 2>&1 | grep -v -i warn \
              > "$OUT/bench.txt"
          LIMIT=${TEST_S:-150} run engine tests/test_gpu_engine.py -k "gathered or streaming_under" ;;
-    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|s27b|s28|s30|s31|newbench" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_session.sh a|b|c|e|f|ef|oss|mla|new|s21|s21b|s21c|s22|s22b|s22c|s22d|s23|s23t|bench|s25|s25p|dsa|s27|s27b|s28|s30|s31|s32|newbench" >&2; exit 2 ;;
 esac
 rc=0
 for f in "$OUT"/*.log; do
