@@ -62,7 +62,7 @@ class CheckpointExperts:
         self.fetched = self.hits = 0
 
     def _read(self, layer: int, e: int) -> tuple:
-        return tuple(self.ops.weight(self.ck.get(n)) for n in expert_names(self.family, layer, e))
+        return tuple(self.ops.weight(self.ck.get(n)) if n else None for n in expert_names(self.family, layer, e))
 
     def fetch(self, layer: int, ids) -> list:
         out = []
@@ -75,13 +75,13 @@ class CheckpointExperts:
             else:
                 w = self._read(*key)
                 self.fetched += 1
-                n = sum(a.nbytes for a in w)
+                n = sum(a.nbytes for a in w if a is not None)
                 if n <= self.budget:
                     self.cache[key] = w
                     self.held += n
                     while self.held > self.budget:
                         _, old = self.cache.popitem(last=False)
-                        self.held -= sum(a.nbytes for a in old)
+                        self.held -= sum(a.nbytes for a in old if a is not None)
             out.append(w)
         return out
 
@@ -102,7 +102,7 @@ class ArenaExperts:
         self.arena = ArenaFile.from_manifest(manifest, folder)
         lay = self.arena.layout
         got = (lay.hidden, lay.intermediate, self.arena.n_experts, tuple(self.arena.moe_layers))
-        want = (c.hidden, c.moe_intermediate, c.n_experts, tuple(c.moe_layers))
+        want = (c.expert_hidden, c.moe_intermediate, c.n_experts, tuple(c.moe_layers))
         if got != want:
             raise ArenaError(f"{self.arena.path}: arena holds (hidden, intermediate, experts, moe layers) "
                              f"= {got[:3]}, {list(got[3])} but config.json says {want[:3]}, {list(want[3])}")
@@ -673,7 +673,7 @@ class Engine:
             per_expert = self.experts.block_bytes
         else:
             per_expert = sum(self.checkpoint.info(n).nbytes
-                             for n in expert_names(c.family, c.moe_layers[0], 0)) if c.moe_layers else 0
+                             for n in expert_names(c.family, c.moe_layers[0], 0) if n) if c.moe_layers else 0
         return int(dense + len(c.moe_layers) * c.top_k * per_expert)
 
     @property
