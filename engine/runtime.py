@@ -686,14 +686,14 @@ class Engine:
         first.. first + n - 1: the K and V rows of every attention layer (up to a sliding
         window, or the index_topk rows a DSA layer picks, beside its indexer's float32 keys), the
         compressed entries DeepSeek-V4's layers read, and the float32 conv and recurrent state of
-        the DeltaNet layers."""
+        the DeltaNet (Mamba-2) layers."""
         from engine.models.hybrid import HybridConfig
+        from engine.models.nemotron_h import NemotronHConfig
         c = self.config
         pos = np.arange(first, first + max(n, 1)) + 1
-        if isinstance(c, HybridConfig):
+        if isinstance(c, (HybridConfig, NemotronHConfig)):   # DeltaNet or Mamba-2 beside attention
             windows = (0,) * len(c.full_layers)
-            fixed = 4 * len(c.linear_layers) * ((c.conv_kernel - 1) * c.conv_dim
-                                                 + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim)
+            fixed = 4 * len(c.linear_layers) * ((c.conv_kernel - 1) * c.conv_dim + int(np.prod(c.ssm_shape)))
         elif getattr(c, "index_topk", 0):   # DSA: index_topk picked rows; the indexer reads
             windows = (c.index_topk,) * c.n_layers   # every key only where there is a choice
             fixed = 4 * c.index_head_dim * len(c.index_layers) * np.where(pos > c.index_topk, pos, 0).mean()

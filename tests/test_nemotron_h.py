@@ -91,6 +91,19 @@ def test_packed_bf16(tmp_path, over):
         lay.payload_bytes < ExpertLayout.build("bf16", 1024, 512).payload_bytes
 
 
+def test_state_bytes_per_token(tmp_path):
+    """The sequence state a decode token reads: K and V rows of the attention layers only, the
+    Mamba layers' conv and scan state whole (engine.bench's bound counts it)."""
+    from test_state_bytes import state_arrays_bytes
+    build(tmp_path, **CASES[0])
+    m = engine.load(tmp_path, device="cpu")
+    s = int(np.random.default_rng().integers(9, 40))
+    kv, other = state_arrays_bytes(m.model.new_state(s))
+    assert kv == 2 * 4 * s * 2 * 8 and other == 4 * 2 * (3 * 80 + 8 * 6 * 8)   # 1 attention, 2 Mamba layers
+    assert m.state_bytes_per_token(s - 1, 1) == pytest.approx(kv + other)
+    assert m.state_bytes_per_token(0, s) == pytest.approx(kv / s * (s + 1) / 2 + other)
+
+
 def test_config_read_and_refused():
     c = family_of({"model_type": "nemotron_h", **TINY, "hybrid_override_pattern": "M-M*E",
                    "num_hidden_layers": 5, "time_step_limit": [0.0, {"__float__": "Infinity"}],
