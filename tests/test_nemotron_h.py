@@ -13,7 +13,7 @@ import pytest
 
 import engine
 from conftest import (bf16_copy, check_against, check_prefill_equals_token_by_token, check_state_resumes,
-                      rel_err, save_tiny, widen_init)
+                      record_prefills, rel_err, save_tiny, widen_init)
 from engine.models import family_of
 from engine.models.rope import ConfigError
 from kernels_numba import cpu, reference as ref
@@ -56,7 +56,25 @@ def build(dst, dtype: str = "float32", **over):
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)
     save_tiny(model, dst, dtype)
+    if "layers_block_type" in over:   # a config.json in the older names, as older releases write it
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["layers_block_type"] = [OLD_NAMES.get(k, k) for k in cfg["layers_block_type"]]
+        (dst / "config.json").write_text(json.dumps(cfg))
     return tf.NemotronHForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+
+
+OLD_NAMES = {"linear_attention": "mamba", "full_attention": "attention"}
+
+
+def check_no_rewind(folder, ids) -> None:
+    """A prompt that shares only part of the last generation's tokens is not resumed from that
+    state (the Mamba state cannot go back): its logits are a fresh engine's."""
+    m = engine.load(folder, device="cpu", prefix_cache=True)
+    first = m.generate(ids[:8].tolist(), max_new_tokens=6).output_ids
+    prompt = ids[:8].tolist() + first[:3] + ids[8:11].tolist()
+    prefills = record_prefills(m)
+    m.generate(prompt, max_new_tokens=1)
+    assert rel_err(prefills[-1], engine.load(folder, device="cpu").logits(prompt)[-1]) < 1e-5
 
 
 @pytest.mark.parametrize("over", CASES, ids=IDS)
@@ -67,6 +85,9 @@ def test_logits_and_greedy_match_transformers(tmp_path, over):
     check_prefill_equals_token_by_token(m.model, ids)
     if over is CASES[0]:
         check_state_resumes(tmp_path, ids)
+        check_no_rewind(tmp_path, ids)
+    if "layers_block_type" in over:
+        assert json.loads((tmp_path / "config.json").read_text())["layers_block_type"][0] == "mamba"
 
 
 @pytest.mark.parametrize("over", [CASES[0], CASES[1]], ids=IDS[:2])
@@ -115,6 +136,9 @@ def test_config_read_and_refused():
     old = family_of({"model_type": "nemotron_h", **TINY, "hybrid_override_pattern": "M*E",
                      "mamba_n_groups": 4, "mamba_d_conv": 3, "mamba_dt_limit": [0.0, float("inf")]}).config
     assert old.n_groups == 4 and old.conv_kernel == 3
+    listed = family_of({"model_type": "nemotron_h", **TINY, "n_shared_experts": 0,
+                        "layers_block_type": ["mamba", "attention", "moe", "mlp"]}).config
+    assert listed.kinds == ("linear_attention", "full_attention", "moe", "mlp") and listed.shared_intermediate == 12
 
     def refused(match, **over):
         with pytest.raises(ConfigError, match=match):

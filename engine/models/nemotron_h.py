@@ -124,11 +124,13 @@ class NemotronHConfig(MoeConfig):
         # the fields common_hf reads under their Nemotron-H names; no RoPE is applied (its
         # parameters, if any, are not read)
         base = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling", "partial_rotary_factor")}
-        base.update(num_hidden_layers=len(kinds), num_local_experts=cfg.get("n_routed_experts"),
-                    rms_norm_eps=cfg.get("layer_norm_epsilon") or 1e-5)
+        base.update(num_hidden_layers=len(kinds), rms_norm_eps=cfg.get("layer_norm_epsilon") or 1e-5,
+                    num_local_experts=need(cfg, "n_routed_experts") if MOE in kinds else 1)
+        # the reference's defaults where config.json has no value (not hidden / heads, nor Hq)
+        base.setdefault("head_dim", 128)
+        base.setdefault("num_key_value_heads", 8)
         if MOE not in kinds:
-            base.setdefault("num_experts_per_tok", 1)
-            base["num_local_experts"] = base["num_local_experts"] or 1
+            base["num_experts_per_tok"] = 1
         f = MoeConfig.common_hf(base)
         n_experts = f["n_experts"]
         n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
@@ -157,8 +159,8 @@ class NemotronHConfig(MoeConfig):
         return cls(**f, kinds=kinds,
                    moe_intermediate=int(need(cfg, "moe_intermediate_size")) if MOE in kinds else 0,
                    dense_intermediate=int(need(cfg, "intermediate_size")) if MLP in kinds else 0,
-                   shared_intermediate=int(cfg.get("moe_shared_expert_intermediate_size") or 0)
-                   if int(cfg.get("n_shared_experts", 1) or 0) else 0,
+                   # one shared MLP beside the experts whatever n_shared_experts says, as the reference
+                   shared_intermediate=int(_field(cfg, "moe_shared_expert_intermediate_size", 7688)),
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), routing="sigmoid",
                    n_group=n_group, topk_group=topk_group,
                    routed_scale=float(cfg.get("routed_scaling_factor") or 1.0),
