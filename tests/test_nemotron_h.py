@@ -107,6 +107,16 @@ def test_packed_bf16(tmp_path, over):
     c = family_of(json.loads((src / "config.json").read_text())).config
     assert not h["gated"] and h["hidden"] == c.expert_hidden == (over.get("moe_latent_size") or 32)
     assert h["block_bytes"] == ExpertLayout.build("bf16", c.expert_hidden, c.moe_intermediate, False).block_bytes
+    if over is CASES[0]:   # the quantized formats pack ungated blocks too: each expert's up and
+        from loader.quant import decode_expert_block   # down come back within the format's error
+        for fmt, tol in (("fp8", 0.05), ("nvfp4", 0.2)):
+            pack(src, tmp_path / fmt, fmt, progress=False)
+            q = engine.load(tmp_path / fmt, device="cpu")
+            _, up, down = decode_expert_block(q.experts.get(2, 3), q.experts.arena.layout)
+            ck = engine.load(src, device="cpu").checkpoint
+            assert rel_err(up, ck.get_f32("backbone.layers.2.mixer.experts.3.up_proj.weight")) < tol
+            assert rel_err(down, ck.get_f32("backbone.layers.2.mixer.experts.3.down_proj.weight")) < tol
+            assert rel_err(q.logits(ids), want) < 0.5
     lay = ExpertLayout.build("bf16", 1024, 512, False)
     assert lay.gate_q == lay.gate_s == lay.up_q and \
         lay.payload_bytes < ExpertLayout.build("bf16", 1024, 512).payload_bytes
