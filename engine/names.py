@@ -222,6 +222,20 @@ _DBRX = {"embed": "transformer.wte.weight", "final_norm": "transformer.norm_f.we
              ("qkv", "norm_attn_norm.attn.Wqkv.weight"), ("o", "norm_attn_norm.attn.out_proj.weight"),
              ("router", "ffn.router.layer.weight"), ("expert_gate", "ffn.experts.mlp.{e}.w1"),
              ("expert_up", "ffn.experts.mlp.{e}.v1"), ("expert_down", "ffn.experts.mlp.{e}.w2"))}}
+# Nemotron-H: one mixer a block (Mamba-2, attention, MoE or MLP) under backbone.; ungated experts
+# (no expert_gate: expert_names gives None), a latent projection around them (Super)
+_NEMOTRON_H = {"embed": "backbone.embeddings.weight", "final_norm": "backbone.norm_f.weight",
+               "lm_head": "lm_head.weight", "norm": "backbone.layers.{l}.norm.weight",
+               **{k: "backbone.layers.{l}.mixer." + v for k, v in (
+                   ("q", "q_proj.weight"), ("k", "k_proj.weight"), ("v", "v_proj.weight"), ("o", "o_proj.weight"),
+                   ("m_in", "in_proj.weight"), ("m_conv", "conv1d.weight"), ("m_conv_bias", "conv1d.bias"),
+                   ("m_A_log", "A_log"), ("m_D", "D"), ("m_dt_bias", "dt_bias"), ("m_norm", "norm.weight"),
+                   ("m_out", "out_proj.weight"), ("router", "gate.weight"),
+                   ("router_bias", "gate.e_score_correction_bias"), ("shared_up", "shared_experts.up_proj.weight"),
+                   ("shared_down", "shared_experts.down_proj.weight"), ("latent_in", "fc1_latent_proj.weight"),
+                   ("latent_out", "fc2_latent_proj.weight"), ("mlp_up", "up_proj.weight"),
+                   ("mlp_down", "down_proj.weight"), ("expert_up", "experts.{e}.up_proj.weight"),
+                   ("expert_down", "experts.{e}.down_proj.weight"))}}
 
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
@@ -275,6 +289,7 @@ NAMES: dict[str, dict[str, str]] = {
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,
     "llama4": {k: "language_model." + v for k, v in _LLAMA4.items()},
+    "nemotron_h": _NEMOTRON_H,
     # ERNIE-4.5: the shared experts' names of DeepSeek-V3, its selection bias under moe_statics
     "ernie4_5_moe": {**_SIGMOID_MOE,
                      "router_bias": "model.layers.{l}.mlp.moe_statics.e_score_correction_bias"},
@@ -297,6 +312,8 @@ def key_of(family: str, n: str, keys) -> tuple[str, int | None] | None:
     return next(((k, layer) for k in keys if k in table and name(family, k, layer) == n), None)
 
 
-def expert_names(family: str, layer: int, expert: int) -> tuple[str, str, str]:
-    """(gate, up, down) checkpoint names of one expert."""
-    return tuple(name(family, k, layer, expert) for k in ("expert_gate", "expert_up", "expert_down"))
+def expert_names(family: str, layer: int, expert: int) -> tuple[str | None, str, str]:
+    """(gate, up, down) checkpoint names of one expert; gate None where the family's experts have
+    none (Nemotron-H's up -> relu^2 -> down)."""
+    return tuple(name(family, k, layer, expert) if k in NAMES[family] else None
+                 for k in ("expert_gate", "expert_up", "expert_down"))

@@ -65,23 +65,23 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
         write_safetensors(tmp / DENSE, dense,
                           bf16={n for n in dense if ck.info(n).dtype == "BF16"},
                           metadata={"source": str(ck.dir)})
-        layout = ExpertLayout.build(experts, c.hidden, c.moe_intermediate)
+        layout = ExpertLayout.build(experts, c.expert_hidden, c.moe_intermediate, c.gated_experts)
 
         requantized = []   # MXFP4 experts whose scales NVFP4 cannot hold exactly
 
         def get_expert(layer, e):
             names = expert_names(c.family, layer, e)
-            if experts == "nvfp4" and all(n in ck.nvfp4 for n in names):
+            if experts == "nvfp4" and all(n in ck.nvfp4 for n in names if n):
                 # an NVFP4 checkpoint's bytes are the arena's: copied, not re-quantized
-                return {m: ck.nvfp4_parts(n) for m, n in zip(MATRICES, names)}
-            mx = [ck.mxfp4_parts(n) for n in names] if experts == "nvfp4" else [None]
+                return {m: ck.nvfp4_parts(n) for m, n in zip(MATRICES, names) if n}
+            mx = [ck.mxfp4_parts(n) for n in names] if experts == "nvfp4" and all(names) else [None]
             if all(p is not None for p in mx):
                 # MXFP4 (gpt-oss): the same E2M1 bytes, each power-of-two scale re-expressed
                 parts = [nvfp4_from_mxfp4(*p) for p in mx]
                 if all(p is not None for p in parts):
                     return dict(zip(MATRICES, parts))
                 requantized.append((layer, e))
-            return tuple(ck.get_f32(n) for n in names)
+            return tuple(ck.get_f32(n) if n else None for n in names)   # no gate: an ungated layout
 
         records = write_arena(tmp / ARENA_NAME, experts, layout, c.n_layers, c.n_experts, get_expert,
                               progress=progress, layers=c.moe_layers, workers=workers)
@@ -101,7 +101,7 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
             "format_version": FORMAT_VERSION,
             "model_type": c.family,
             "config": config,
-            "experts": {"format": experts, "hidden": c.hidden, "intermediate": c.moe_intermediate,
+            "experts": {"format": experts, "hidden": c.expert_hidden, "intermediate": c.moe_intermediate,
                         "block_bytes": layout.block_bytes, "n_layers": c.n_layers,
                         "n_experts": c.n_experts, "moe_layers": list(c.moe_layers)},
             "blocks": records,

@@ -62,7 +62,7 @@ class CheckpointExperts:
         self.fetched = self.hits = 0
 
     def _read(self, layer: int, e: int) -> tuple:
-        return tuple(self.ops.weight(self.ck.get(n)) for n in expert_names(self.family, layer, e))
+        return tuple(self.ops.weight(self.ck.get(n)) if n else None for n in expert_names(self.family, layer, e))
 
     def fetch(self, layer: int, ids) -> list:
         out = []
@@ -75,13 +75,13 @@ class CheckpointExperts:
             else:
                 w = self._read(*key)
                 self.fetched += 1
-                n = sum(a.nbytes for a in w)
+                n = sum(a.nbytes for a in w if a is not None)
                 if n <= self.budget:
                     self.cache[key] = w
                     self.held += n
                     while self.held > self.budget:
                         _, old = self.cache.popitem(last=False)
-                        self.held -= sum(a.nbytes for a in old)
+                        self.held -= sum(a.nbytes for a in old if a is not None)
             out.append(w)
         return out
 
@@ -102,7 +102,7 @@ class ArenaExperts:
         self.arena = ArenaFile.from_manifest(manifest, folder)
         lay = self.arena.layout
         got = (lay.hidden, lay.intermediate, self.arena.n_experts, tuple(self.arena.moe_layers))
-        want = (c.hidden, c.moe_intermediate, c.n_experts, tuple(c.moe_layers))
+        want = (c.expert_hidden, c.moe_intermediate, c.n_experts, tuple(c.moe_layers))
         if got != want:
             raise ArenaError(f"{self.arena.path}: arena holds (hidden, intermediate, experts, moe layers) "
                              f"= {got[:3]}, {list(got[3])} but config.json says {want[:3]}, {list(want[3])}")
@@ -675,7 +675,7 @@ class Engine:
             per_expert = self.experts.block_bytes
         else:
             per_expert = sum(self.checkpoint.info(n).nbytes
-                             for n in expert_names(c.family, c.moe_layers[0], 0)) if c.moe_layers else 0
+                             for n in expert_names(c.family, c.moe_layers[0], 0) if n) if c.moe_layers else 0
         return int(dense + len(c.moe_layers) * c.top_k * per_expert)
 
     @property
@@ -688,14 +688,14 @@ class Engine:
         first.. first + n - 1: the K and V rows of every attention layer (up to a sliding
         window, or the index_topk rows a DSA layer picks, beside its indexer's float32 keys), the
         compressed entries DeepSeek-V4's layers read, and the float32 conv and recurrent state of
-        the DeltaNet layers."""
+        the DeltaNet (Mamba-2) layers."""
         from engine.models.hybrid import HybridConfig
+        from engine.models.nemotron_h import NemotronHConfig
         c = self.config
         pos = np.arange(first, first + max(n, 1)) + 1
-        if isinstance(c, HybridConfig):
+        if isinstance(c, (HybridConfig, NemotronHConfig)):   # DeltaNet or Mamba-2 beside attention
             windows = (0,) * len(c.full_layers)
-            fixed = 4 * len(c.linear_layers) * ((c.conv_kernel - 1) * c.conv_dim
-                                                 + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim)
+            fixed = 4 * len(c.linear_layers) * ((c.conv_kernel - 1) * c.conv_dim + int(np.prod(c.ssm_shape)))
         elif getattr(c, "index_topk", 0):   # DSA: index_topk picked rows; the indexer reads
             windows = (c.index_topk,) * c.n_layers   # every key only where there is a choice
             fixed = 4 * c.index_head_dim * len(c.index_layers) * np.where(pos > c.index_topk, pos, 0).mean()

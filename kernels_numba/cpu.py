@@ -15,6 +15,7 @@ from numba import njit, prange
 
 from kernels_numba import reference
 from kernels_numba.cpu_deltanet import DeltaNetOps
+from kernels_numba.cpu_mamba import MambaOps
 
 # ---- number formats --------------------------------------------------------------------------
 
@@ -397,15 +398,20 @@ def _row_dot(fmt, block, q_off, s_off, gscale, r, k, kp, x, pairs):
 
 
 ROWS_A_TASK = 16   # rows a parallel task decodes (its scratch rows are allocated once a task)
+RELU2 = 4          # expert_block_mlp's mode for an ungated block: no gate rows are read
 
 
 @njit(inline="always")
 def _glu(clamped, g, u, alpha, limit):
     """The expert's activation of one gate / up pair: SwiGLU; clamped 1 (True): gpt-oss's form
     (the gate clamped from above, up to +-limit, (u + 1) * g * sigmoid(alpha g)); 2: DeepSeek-V4's
-    (the same clamps, then SwiGLU); 3: Step-3.5's (SiLU of the gate, then the same clamps)."""
+    (the same clamps, then SwiGLU); 3: Step-3.5's (SiLU of the gate, then the same clamps);
+    RELU2: an ungated expert's relu(u)^2 (Nemotron-H; g unused)."""
     if not clamped:
         return g / (np.float32(1.0) + math.exp(-g)) * u
+    if clamped == RELU2:
+        r = max(u, np.float32(0.0))
+        return r * r
     if clamped == 3:
         return min(g / (np.float32(1.0) + math.exp(-g)), limit) * min(max(u, -limit), limit)
     g = min(g, limit)
@@ -420,7 +426,8 @@ def expert_block_mlp(fmt, block, lay, x, out, clamped, bias, alpha, limit):
     """One expert from its block over tokens: x [T, H] f32 -> out [T, H] f32.
 
     fmt: 0 bf16, 1 fp8, 2 nvfp4; lay int64 [10] (see module doc). clamped: _glu's mode (0
-    SwiGLU, 1 gpt-oss's with alpha and limit, 2 DeepSeek-V4's with limit, 3 Step-3.5's); bias f32 [2I + H] (gate, up, down biases) or empty. One token:
+    SwiGLU, 1 gpt-oss's with alpha and limit, 2 DeepSeek-V4's with limit, 3 Step-3.5's, RELU2 an
+    ungated block's relu^2 of up); bias f32 [2I + H] (gate, up, down biases) or empty. One token:
     each row is dotted with it as it is read (_row_dot), rows in tasks of ROWS_A_TASK, each with
     its scratch. More: rows are decoded once into float32 scratch rows and summed with 4 tokens
     at a time (_sums4x4; decoding a row for one token made bf16 2.2x and fp8 1.3x slower on the
@@ -435,7 +442,8 @@ def expert_block_mlp(fmt, block, lay, x, out, clamped, bias, alpha, limit):
         for c in prange((i_dim + ROWS_A_TASK - 1) // ROWS_A_TASK):
             pairs = np.empty(hp // 2, dtype=np.float32)
             for idx in range(c * ROWS_A_TASK, min((c + 1) * ROWS_A_TASK, i_dim)):
-                g = _row_dot(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, x[0], pairs)
+                g = np.float32(0.0) if clamped == RELU2 else \
+                    _row_dot(fmt, block, lay[0], lay[1], gs[0], idx, h, hp, x[0], pairs)
                 u = _row_dot(fmt, block, lay[2], lay[3], gs[1], idx, h, hp, x[0], pairs)
                 if biased:
                     g += bias[idx]
@@ -460,7 +468,8 @@ def expert_block_mlp(fmt, block, lay, x, out, clamped, bias, alpha, limit):
         w = np.zeros((4, hp), dtype=np.float32)   # gate r0, gate r0 + 1, up r0, up r0 + 1
         tmp = np.empty(hp, dtype=np.float32)
         for r in range(nr):
-            _decode_row(fmt, block, lay[0], lay[1], gs[0], r0 + r, h, hp, w[r], tmp)
+            if clamped != RELU2:   # an ungated block has no gate rows: theirs stay zero
+                _decode_row(fmt, block, lay[0], lay[1], gs[0], r0 + r, h, hp, w[r], tmp)
             _decode_row(fmt, block, lay[2], lay[3], gs[1], r0 + r, h, hp, w[2 + r], tmp)
         for t0 in range(0, tp, 4):
             s = _sums4x4(w, xp, t0, hp)
@@ -644,6 +653,7 @@ class CpuOps:
 
     name = "cpu"
     deltanet = DeltaNetOps()    # the hybrid families' ops (Gated DeltaNet, gated norms and outputs)
+    mamba = MambaOps()          # Nemotron-H's Mamba-2 mixer (conv with bias, selective scan, group norm)
 
     def weight(self, a: np.ndarray) -> np.ndarray:
         """A dense weight as the backend keeps it: float32, or bf16 bits for matrices. A vector
@@ -765,6 +775,16 @@ class CpuOps:
         u = self.linear(x, up)
         a = g / (1.0 + np.exp(-g)) * u
         return self.linear(a.astype(np.float32), down)
+
+    def expert_relu2(self, x: np.ndarray, weights) -> np.ndarray:
+        """An ungated expert over its tokens, down(relu(up x)^2): x [n, H] -> [n, H]. weights
+        (None or absent gate, up, down) dense, or an ungated (fmt, block, layout).
+        reference.relu2_expert."""
+        if _is_block(weights):
+            return self._block_mlp(x, weights, RELU2, _NO_BIAS, 0.0, 0.0)
+        up, down = weights[-2:]
+        r = np.maximum(self.linear(x, up), np.float32(0.0))
+        return self.linear(r * r, down)
 
     @staticmethod
     def _block_mlp(x, weights, clamped, bias, alpha, limit):

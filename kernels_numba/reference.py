@@ -285,6 +285,12 @@ def swiglu_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndar
     return ((silu(g) * u) @ down.astype(np.float64).T).astype(np.float32)
 
 
+def relu2_expert(x: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """An ungated expert (Nemotron-H): x [T, H], up [I, H], down [H, I] -> down(relu(up x)^2) [T, H]."""
+    u = np.maximum(x.astype(np.float64) @ up.astype(np.float64).T, 0.0)
+    return ((u * u) @ down.astype(np.float64).T).astype(np.float32)
+
+
 def gpt_oss_expert(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
                    gate_b: np.ndarray, up_b: np.ndarray, down_b: np.ndarray, alpha: float,
                    limit: float) -> np.ndarray:
@@ -376,14 +382,45 @@ def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: floa
 # Legend: Nk / Nv = DeltaNet key / value heads, Dk / Dv = their head dims, C = conv channels,
 # Kc = conv kernel width. Value head h reads key head h // (Nv / Nk).
 
-def causal_conv1d_silu(x: np.ndarray, w: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [T, C], w [C, Kc], state [Kc-1, C] (previous inputs, oldest first)
-    -> (silu(causal depthwise conv) [T, C], new state [Kc-1, C])."""
+def causal_conv1d_silu(x: np.ndarray, w: np.ndarray, state: np.ndarray,
+                       bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """x [T, C], w [C, Kc], state [Kc-1, C] (previous inputs, oldest first), bias [C] or None
+    -> (silu(causal depthwise conv + bias) [T, C], new state [Kc-1, C])."""
     ks = w.shape[1] - 1
     xe = np.concatenate([state, x]).astype(np.float64)            # [Kc-1+T, C]
     t = x.shape[0]
     out = np.stack([(xe[i:i + ks + 1] * w.T.astype(np.float64)).sum(0) for i in range(t)])
+    if bias is not None:
+        out = out + bias.astype(np.float64)
     return silu(out).astype(np.float32), xe[t:].astype(np.float32)
+
+
+def mamba2_scan(x, dt, b, c, a_log, dt_bias, d, dt_limit, state) -> tuple[np.ndarray, np.ndarray]:
+    """Mamba-2's selective scan, token by token. x [T, Hm, P]; dt [T, Hm] (raw); b, c [T, G, N];
+    A_log, dt_bias, D [Hm]; state [Hm, P, N] -> (out [T, Hm, P], new state): dt' =
+    clamp(softplus(dt + dt_bias), *dt_limit), state = state exp(-exp(A_log) dt') + dt' x B^T,
+    out = state C + D x; head h reads group h // (Hm / G)."""
+    per = x.shape[1] // b.shape[1]
+    b64 = np.repeat(b.astype(np.float64), per, axis=1)           # [T, Hm, N]
+    c64 = np.repeat(c.astype(np.float64), per, axis=1)
+    z = dt.astype(np.float64) + dt_bias.astype(np.float64)
+    s = np.clip(np.where(z > 20.0, z, np.log1p(np.exp(np.minimum(z, 20.0)))), *dt_limit)
+    a = -np.exp(a_log.astype(np.float64))
+    st = state.astype(np.float64)
+    out = np.empty(x.shape, dtype=np.float64)
+    for t in range(x.shape[0]):
+        xt = x[t].astype(np.float64)                              # [Hm, P]
+        st = st * np.exp(s[t] * a)[:, None, None] + (s[t][:, None] * xt)[:, :, None] * b64[t][:, None, :]
+        out[t] = np.einsum("hpn,hn->hp", st, c64[t]) + d.astype(np.float64)[:, None] * xt
+    return out.astype(np.float32), st.astype(np.float32)
+
+
+def rmsnorm_group_gated(x: np.ndarray, z: np.ndarray, w: np.ndarray, group: int, eps: float) -> np.ndarray:
+    """x, z [R, W], w [W] -> w * rmsnorm(x * silu(z)) taken over each run of group columns."""
+    y = x.astype(np.float64) * silu(z.astype(np.float64))
+    g = y.reshape(y.shape[0], -1, group)
+    g = g / np.sqrt(np.mean(g * g, axis=-1, keepdims=True) + eps)
+    return (w.astype(np.float64) * g.reshape(y.shape)).astype(np.float32)
 
 
 def deltanet_gates(b: np.ndarray, a: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray):

@@ -14,7 +14,8 @@ Header (little-endian), bytes [0, 4096):
     52  u32  MoE layers in the arena
     56  u32  experts per layer
     60  16s  format, ASCII, NUL-padded ("bf16", "fp8", "nvfp4")
-    76  ...  zeros
+    76  u32  flags: bit 0 set = ungated blocks (no gate rows: loader/layout.py); 0 in older arenas
+    80  ...  zeros
     4092 u32 crc32 of bytes [0, 4092)
 Block i (i = moe_layer_index * n_experts + expert) starts at 4096 + i * block_bytes.
 """
@@ -40,6 +41,7 @@ HEADER_BYTES = 4096
 ARENA_NAME = "experts.arena"
 _FIELDS = struct.Struct("<8sIIQQQIIIII16s")  # the header fields above, offsets 0..75
 _CRC_OFFSET = HEADER_BYTES - 4
+_UNGATED = 1   # flags bit 0
 
 
 class ArenaError(ValueError):
@@ -54,6 +56,7 @@ def _pack_header(fmt: str, layout: ExpertLayout, n_layers: int, n_moe_layers: in
                       HEADER_BYTES + n_blocks * layout.block_bytes, layout.block_bytes,
                       layout.hidden, layout.intermediate, n_layers, n_moe_layers, n_experts,
                       fmt.encode("ascii"))
+    struct.pack_into("<I", head, _FIELDS.size, 0 if layout.gated else _UNGATED)
     struct.pack_into("<I", head, _CRC_OFFSET, zlib.crc32(bytes(head[:_CRC_OFFSET])))
     return bytes(head)
 
@@ -126,7 +129,8 @@ class ArenaFile:
         self.path = str(path)
         self.header = header
         self.fmt: str = header["format"]
-        self.layout = ExpertLayout.build(self.fmt, header["hidden"], header["intermediate"])
+        self.layout = ExpertLayout.build(self.fmt, header["hidden"], header["intermediate"],
+                                         header.get("gated", True))
         self.records = records
         self._by_key = {(r["layer"], r["expert"]): r for r in records}
         self.moe_layers = sorted({r["layer"] for r in records})
@@ -145,10 +149,11 @@ class ArenaFile:
                 actual = os.fstat(f.fileno()).st_size
         except OSError as e:
             raise ArenaError(f"{path}: cannot open the arena ({e.strerror})") from None
-        if len(head) < _FIELDS.size or head[:8] != MAGIC:
+        if len(head) < _FIELDS.size + 4 or head[:8] != MAGIC:
             raise ArenaError(f"{path}: not a moe-stream arena (magic {head[:8]!r}, expected {MAGIC!r})")
         (_, version, header_bytes, n_blocks, file_size, block_bytes, hidden, intermediate,
          n_layers, n_moe_layers, n_experts, fmt) = _FIELDS.unpack_from(head, 0)
+        (flags,) = struct.unpack_from("<I", head, _FIELDS.size)
         if version != VERSION:
             raise ArenaError(f"{path}: arena version {version}, this build reads {VERSION}")
         if len(head) < HEADER_BYTES:
@@ -163,7 +168,7 @@ class ArenaFile:
         return {"version": version, "n_blocks": n_blocks, "file_size": file_size,
                 "block_bytes": block_bytes, "hidden": hidden, "intermediate": intermediate,
                 "n_layers": n_layers, "n_moe_layers": n_moe_layers, "n_experts": n_experts,
-                "format": fmt.rstrip(b"\0").decode("ascii", "replace")}
+                "format": fmt.rstrip(b"\0").decode("ascii", "replace"), "gated": not flags & _UNGATED}
 
     @classmethod
     def open(cls, path: str | os.PathLike, manifest_blocks: list[dict], expect: dict) -> "ArenaFile":
@@ -174,7 +179,7 @@ class ArenaFile:
         if h["n_blocks"] != h["n_moe_layers"] * h["n_experts"]:
             raise ArenaError(f"{path}: header says {h['n_blocks']} blocks, expected "
                              f"{h['n_moe_layers']} layers x {h['n_experts']} experts")
-        layout = ExpertLayout.build(h["format"], h["hidden"], h["intermediate"]) \
+        layout = ExpertLayout.build(h["format"], h["hidden"], h["intermediate"], h["gated"]) \
             if h["format"] in ("bf16", "fp8", "nvfp4") else None
         if layout is None:
             raise ArenaError(f"{path}: unknown expert format {h['format']!r} in the arena header")

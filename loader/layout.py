@@ -1,6 +1,8 @@
 """Byte layout of one expert block in the arena: the single place it is written down.
 
-A block holds one (layer, expert): gate [I, H], up [I, H], down [H, I] with their scales.
+A block holds one (layer, expert): gate [I, H], up [I, H], down [H, I] with their scales. An
+ungated layout (experts without a gate projection: Nemotron-H's up -> relu^2 -> down) has a gate
+of zero rows: its gate sections are empty, so the block holds up and down alone.
 Legend: H = hidden size, I = expert intermediate size, K = a matrix's inner (column) size,
 Kp = K rounded up to a multiple of 16 (NVFP4 pads each row with zeros to Kp).
 
@@ -59,6 +61,7 @@ class ExpertLayout:
     fmt: str
     hidden: int          # H
     intermediate: int    # I
+    gated: bool = True   # False: no gate rows (an ungated expert)
     gate_q: int = 0
     gate_s: int = 0
     up_q: int = 0
@@ -69,12 +72,12 @@ class ExpertLayout:
     block_bytes: int = 0     # size of the block in the arena, a multiple of BLOCK_ALIGN
 
     @classmethod
-    def build(cls, fmt: str, hidden: int, intermediate: int) -> "ExpertLayout":
+    def build(cls, fmt: str, hidden: int, intermediate: int, gated: bool = True) -> "ExpertLayout":
         if fmt not in FORMATS:
             raise ValueError(f"unknown expert format {fmt!r}; expected one of {', '.join(FORMATS)}")
         off = HEADER_BYTES
         offs = {}
-        for name, rows, k in (("gate", intermediate, hidden), ("up", intermediate, hidden),
+        for name, rows, k in (("gate", intermediate if gated else 0, hidden), ("up", intermediate, hidden),
                               ("down", hidden, intermediate)):
             qb, sb = matrix_bytes(fmt, rows, k)
             off = _round_up(off, SECTION_ALIGN)
@@ -83,7 +86,7 @@ class ExpertLayout:
             off = _round_up(off, SECTION_ALIGN)
             offs[name + "_s"] = off
             off += sb
-        return cls(fmt=fmt, hidden=hidden, intermediate=intermediate, payload_bytes=off,
+        return cls(fmt=fmt, hidden=hidden, intermediate=intermediate, gated=gated, payload_bytes=off,
                    block_bytes=_round_up(off, BLOCK_ALIGN), **offs)
 
     @property

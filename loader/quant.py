@@ -344,15 +344,18 @@ def encode_matrix(fmt: str, w: np.ndarray, name: str = "weight",
 
 def _shapes(layout: ExpertLayout) -> dict[str, tuple[int, int]]:
     h, i = layout.hidden, layout.intermediate
-    return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+    return {"gate": (i if layout.gated else 0, h), "up": (i, h), "down": (h, i)}
 
 
 def assemble_expert_block(layout: ExpertLayout, parts: dict) -> np.ndarray:
     """parts[m] = (q uint8 bytes, s uint8 bytes, global scale) for m in gate/up/down
-    -> uint8 [layout.block_bytes]. Used as well for pre-quantized bytes copied as released."""
+    -> uint8 [layout.block_bytes]. Used as well for pre-quantized bytes copied as released. An
+    ungated layout takes no gate part."""
     block = np.zeros(layout.block_bytes, dtype=np.uint8)
     globals_ = np.ones(3, dtype=np.float32)
     for n, m in enumerate(MATRICES):
+        if m == "gate" and not layout.gated:
+            continue
         q, s, g = parts[m]
         rows, k = _shapes(layout)[m]
         qb, sb = matrix_bytes(layout.fmt, rows, k)
@@ -372,11 +375,16 @@ def assemble_expert_block(layout: ExpertLayout, parts: dict) -> np.ndarray:
 def encode_expert_block(fmt: str, layout: ExpertLayout, gate: np.ndarray, up: np.ndarray,
                         down: np.ndarray, name: str = "expert", ref: bool = False) -> np.ndarray:
     """gate [I, H], up [I, H], down [H, I] float32 -> one block, uint8 [layout.block_bytes].
-    ref=True: the numpy reference encoders (the same bytes, ~20x slower)."""
+    ref=True: the numpy reference encoders (the same bytes, ~20x slower). gate is None for an
+    ungated layout."""
     if fmt != layout.fmt:
         raise ValueError(f"{name}: format {fmt!r} does not match the layout's {layout.fmt!r}")
     parts = {}
     for m, w in zip(MATRICES, (gate, up, down)):
+        if m == "gate" and not layout.gated:
+            if gate is not None:
+                raise ValueError(f"{name}.gate: the layout is ungated, expected no gate")
+            continue
         want = _shapes(layout)[m]
         if tuple(np.shape(w)) != want:
             raise ValueError(f"{name}.{m}: shape {tuple(np.shape(w))}, expected {want} "
@@ -386,7 +394,8 @@ def encode_expert_block(fmt: str, layout: ExpertLayout, gate: np.ndarray, up: np
 
 
 def decode_expert_block(block: np.ndarray, layout: ExpertLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One block uint8 [>= payload_bytes] -> (gate [I, H], up [I, H], down [H, I]) float32."""
+    """One block uint8 [>= payload_bytes] -> (gate [I, H], up [I, H], down [H, I]) float32 (an
+    ungated layout's gate: [0, H])."""
     block = np.asarray(block).reshape(-1).view(np.uint8)
     if block.nbytes < layout.payload_bytes:
         raise ValueError(f"expert block has {block.nbytes} bytes, expected {layout.payload_bytes}")

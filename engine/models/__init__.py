@@ -17,6 +17,7 @@ from engine.models import (afmoe, cohere2_moe, dbrx, deepseek_v2, deepseek_v3, d
                            minicpm5_moe, minimax_m3, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next,
                            qwen3_omni_moe, qwen3_vl_moe, solar_open, step3p5)
 from engine.models import granitemoe
+from engine.models import nemotron_h
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -61,6 +62,7 @@ FAMILIES = {
     "flex_olmo": flex_olmo,              # FlexOlmo: OLMoE with norms after attention and the MLP
     "phimoe": phimoe,                    # Phi-3.5-MoE: LayerNorms, sparsemixer routing (CPU backend)
     "dbrx": dbrx,                        # DBRX: fused Wqkv, LayerNorms, p-normed top-k weights
+    "nemotron_h": nemotron_h,            # Nemotron-3 Nano / Super: Mamba-2 + attention + relu^2 MoE (CPU backend)
 }
 
 # model types that are another family's architecture under their own name

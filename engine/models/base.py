@@ -118,6 +118,16 @@ class MoeConfig:
         return self.score_scale or self.head_dim ** -0.5
 
     @property
+    def expert_hidden(self) -> int:
+        """Rows a routed expert reads and writes: H (Nemotron-H's latent MoE: its latent size)."""
+        return self.hidden
+
+    @property
+    def gated_experts(self) -> bool:
+        """Whether routed experts have a gate projection (the arena's layout: loader/layout.py)."""
+        return True
+
+    @property
     def kv_tensors(self) -> int:
         """Cache rows a token writes a layer, kv_dim values each: K and V (MLA: one latent row)."""
         return 2

@@ -45,6 +45,10 @@ class HybridConfig(MoeConfig):
         return 2 * self.key_dim + self.value_dim
 
     @property
+    def ssm_shape(self) -> tuple:   # one DeltaNet layer's recurrent state: (Nv, Dk, Dv)
+        return (self.lin_v_heads, self.lin_k_dim, self.lin_v_dim)
+
+    @property
     def full_layers(self) -> tuple:
         return tuple(l for l, t in enumerate(self.layer_types) if t == FULL)
 
@@ -161,7 +165,8 @@ class HybridState:
 
     k, v:  [La, S_max, Hkv, D]  KV cache of the La full-attention layers
     conv:  [Ll, Kc-1, C]        last Kc-1 conv inputs of each of the Ll DeltaNet layers, oldest first
-    ssm:   [Ll, Nv, Dk, Dv]     DeltaNet recurrent state per value head
+    ssm:   [Ll, Nv, Dk, Dv]     DeltaNet recurrent state per value head (c.ssm_shape: another
+                                recurrent mixer's, e.g. Nemotron-H's Mamba-2 [Hm, P, N])
     """
 
     def __init__(self, ops, c: HybridConfig, max_context: int):
@@ -170,7 +175,7 @@ class HybridState:
         self.k = ops.zeros((la, max_context, c.n_kv_heads, c.head_dim))
         self.v = ops.zeros((la, max_context, c.n_kv_heads, c.head_dim))
         self.conv = ops.zeros((ll, c.conv_kernel - 1, c.conv_dim))
-        self.ssm = ops.zeros((ll, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim))
+        self.ssm = ops.zeros((ll, *c.ssm_shape))
         self.pos = 0   # positions filled so far
 
     def copy_into(self, dst, keep: int) -> None:
