@@ -666,8 +666,9 @@ class Engine:
         is also the lm_head) and top-k experts in every MoE layer."""
         c = self.config
         per_expert_dense = re.compile(r"\.experts\.\d+\.")   # gpt-oss's expert biases
+        embed = name(c.family, "embed")   # (a token reads one row of it, unless it is the lm_head)
         dense = sum(np.asarray(w).nbytes for n, w in self._dense.items()
-                    if not (n.endswith("embed_tokens.weight") and not c.tie_embeddings)
+                    if not ((n == embed or n.endswith("embed_tokens.weight")) and not c.tie_embeddings)
                     and not per_expert_dense.search(n))
         biases = sum(np.asarray(w).nbytes for n, w in self._dense.items() if per_expert_dense.search(n))
         dense += biases * c.top_k // max(c.n_experts, 1)   # a token's top-k of them

@@ -133,6 +133,10 @@ def test_state_bytes_per_token(tmp_path):
     assert kv == 2 * 4 * s * 2 * 8 and other == 4 * 2 * (3 * 80 + 8 * 6 * 8)   # 1 attention, 2 Mamba layers
     assert m.state_bytes_per_token(s - 1, 1) == pytest.approx(kv + other)
     assert m.state_bytes_per_token(0, s) == pytest.approx(kv / s * (s + 1) / 2 + other)
+    # the weights: every dense tensor but the (untied) embedding table, whose one row a token reads
+    dense = sum(np.asarray(w).nbytes for w in m._dense.values())
+    experts = 2 * m.config.top_k * 2 * 32 * m.config.moe_intermediate * 4   # 2 MoE layers, up and down
+    assert m.weight_bytes_per_token() == dense - 300 * 32 * 4 + experts
 
 
 def test_config_read_and_refused():
