@@ -16,6 +16,7 @@ from engine.models import (afmoe, cohere2_moe, deepseek_v2, deepseek_v3, deepsee
                            glm_moe_dsa, gpt_oss, hunyuan_v1_moe, kimi_k25, llama4, mimo_v2_flash, minimax_m2,
                            minicpm5_moe, minimax_m3, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next,
                            qwen3_omni_moe, qwen3_vl_moe, solar_open, step3p5)
+from engine.models import kimi_linear
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -56,6 +57,7 @@ FAMILIES = {
     "minicpm5_moe": minicpm5_moe,        # MiniCPM5-MoE: gated attention, DeepSeek-V3's MoE
     "flex_olmo": flex_olmo,              # FlexOlmo: OLMoE with norms after attention and the MLP
     "phimoe": phimoe,                    # Phi-3.5-MoE: LayerNorms, sparsemixer routing (CPU backend)
+    "kimi_linear": kimi_linear,          # Kimi-Linear: KDA + MLA without RoPE, DeepSeek-V3's MoE (CPU backend)
 }
 
 # model types that are another family's architecture under their own name
