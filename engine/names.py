@@ -236,6 +236,21 @@ _NEMOTRON_H = {"embed": "backbone.embeddings.weight", "final_norm": "backbone.no
                    ("latent_out", "fc2_latent_proj.weight"), ("mlp_up", "up_proj.weight"),
                    ("mlp_down", "down_proj.weight"), ("expert_up", "experts.{e}.up_proj.weight"),
                    ("expert_down", "experts.{e}.down_proj.weight"))}}
+# Kimi-Linear as released: DeepSeek-V3's MLA names; the KDA layers' projections under self_attn
+# (q_proj / k_proj / v_proj / o_proj as "q" / "k" / "v" / "o", a short conv each, the forget gate's
+# f_a / f_b / A_log / dt_bias, beta's b_proj, the output gate's g_a / g_b, o_norm); the routed
+# layers under block_sparse_moe (Mixtral's expert names), the dense layers' MLP under mlp
+_KIMI_LINEAR = {
+    **_DEEPSEEK_V3,
+    **{k: v.replace(".mlp.", ".block_sparse_moe.") for k, v in _SIGMOID_MOE.items()
+       if k in ("router", "router_bias", "shared_gate", "shared_up", "shared_down")},
+    **{k: _MIXTRAL[k] for k in ("expert_gate", "expert_up", "expert_down")},
+    **{k: "model.layers.{l}.self_attn." + v for k, v in (
+        ("kda_q_conv", "q_conv1d.weight"), ("kda_k_conv", "k_conv1d.weight"), ("kda_v_conv", "v_conv1d.weight"),
+        ("kda_f_a", "f_a_proj.weight"), ("kda_f_b", "f_b_proj.weight"), ("kda_A_log", "A_log"),
+        ("kda_dt_bias", "dt_bias"), ("kda_b", "b_proj.weight"), ("kda_g_a", "g_a_proj.weight"),
+        ("kda_g_b", "g_b_proj.weight"), ("kda_norm", "o_norm.weight"))},
+}
 
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
@@ -286,6 +301,7 @@ NAMES: dict[str, dict[str, str]] = {
     "granitemoe": _GRANITEMOE,
     "granitemoeshared": _GRANITEMOE,
     "granitemoe_swa": _GRANITEMOE,
+    "kimi_linear": _KIMI_LINEAR,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,
     "llama4": {k: "language_model." + v for k, v in _LLAMA4.items()},

@@ -1,11 +1,12 @@
-"""CPU kernels of the hybrid (Gated DeltaNet + gated attention) families, and DeltaNetOps over them.
+"""CPU kernels of the hybrid (Gated DeltaNet or Kimi Delta Attention + attention) families, and DeltaNetOps over them.
 
 Legend: T = tokens, Nk / Nv = DeltaNet key / value heads (value head h reads key head h // (Nv/Nk)),
 Dk / Dv = their head dims, C = conv channels (q, k, v of every head: 2 Nk Dk + Nv Dv),
 Kc = conv kernel width, R = rows, N = row length, G = gate groups per row.
 All arrays are float32; the recurrent state is float32 [Nv, Dk, Dv] per layer and is updated in place.
 The numpy oracle of every kernel is in reference.py (causal_conv1d_silu, deltanet_gates,
-gated_delta_rule, rmsnorm_gated, sigmoid_gate).
+gated_delta_rule, rmsnorm_gated, sigmoid_gate); Kimi Delta Attention's (kda_*) is gated_delta_rule
+with a decay a key channel.
 """
 from __future__ import annotations
 
@@ -43,18 +44,21 @@ def conv1d_silu(x, w, state, out):
 
 @njit(parallel=True, cache=True)
 def deltanet_gates(b, a, neg_a, dt_bias, beta, g):
-    """b, a [T, Nv]; neg_a = -exp(A_log), dt_bias [Nv]
-    -> beta = sigmoid(b), g = neg_a * softplus(a + dt_bias), [T, Nv] each.
+    """b [T, Nv]; a [T, N]; neg_a = -exp(A_log), dt_bias [N]
+    -> beta = sigmoid(b) [T, Nv], g = neg_a * softplus(a + dt_bias) [T, N].
 
-    g is the log decay of the state per token (<= 0); softplus passes x through above 20, as torch does.
+    g is the log decay of the state per token (<= 0): N = Nv decays (Gated DeltaNet, one a head)
+    or Nv Dk (KDA, one a key channel). softplus passes x through above 20, as torch does.
     """
     t_len, nv = b.shape
+    n = a.shape[1]
     for t in prange(t_len):
         for h in range(nv):
             beta[t, h] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-b[t, h])))
-            z = a[t, h] + dt_bias[h]
+        for j in range(n):
+            z = a[t, j] + dt_bias[j]
             sp = z if z > 20.0 else np.float32(math.log1p(math.exp(z)))
-            g[t, h] = neg_a[h] * sp
+            g[t, j] = neg_a[j] * sp
 
 
 @njit(inline="always")
@@ -189,6 +193,126 @@ def gated_delta_chunked(q, k, v, g, beta, state, out, chunk):
 
 
 @njit(parallel=True, cache=True)
+def kda_recurrent(q, k, v, g, beta, state, out):
+    """Kimi Delta Attention token by token (decode): gated_delta_recurrent with a decay a key
+    channel. g [T, Nv, Dk]; the rest as there. Per token and value head:
+    S[i, :] *= exp(g[i]); S += k (x) beta (v - k^T S); o = q^T S.
+    """
+    t_len, nk, dk = q.shape
+    nv, dv = v.shape[1], v.shape[2]
+    rep = nv // nk
+    scale = np.float32(1.0 / math.sqrt(dk))
+    for h in prange(nv):
+        kh = h // rep
+        s = state[h]
+        qn = np.empty(dk, dtype=np.float32)
+        kn = np.empty(dk, dtype=np.float32)
+        delta = np.empty(dv, dtype=np.float32)
+        for t in range(t_len):
+            _l2n(q[t, kh], qn, scale)
+            _l2n(k[t, kh], kn, np.float32(1.0))
+            bt = beta[t, h]
+            for j in range(dv):
+                delta[j] = 0.0
+            for i in range(dk):
+                decay = np.float32(math.exp(g[t, h, i]))
+                for j in range(dv):
+                    s[i, j] *= decay
+                    delta[j] += s[i, j] * kn[i]
+            for j in range(dv):
+                delta[j] = (v[t, h, j] - delta[j]) * bt
+            for j in range(dv):
+                out[t, h, j] = 0.0
+            for i in range(dk):
+                for j in range(dv):
+                    s[i, j] += kn[i] * delta[j]
+                    out[t, h, j] += s[i, j] * qn[i]
+
+
+@njit(parallel=True, cache=True)
+def kda_chunked(q, k, v, g, beta, state, out, chunk):
+    """Kimi Delta Attention over chunks of `chunk` tokens (prefill); kda_recurrent's contract.
+
+    gated_delta_chunked with c_i a vector (the cumulative log decay of each key channel): every
+    e^(c_i - c_j) moves inside the dot products over Dk (A and the intra-chunk scores share it),
+    W = beta k e^(c), the read q_i e^(c_i) S and the state's decay row by row.
+    """
+    t_len, nk, dk = q.shape
+    nv, dv = v.shape[1], v.shape[2]
+    rep = nv // nk
+    scale = np.float32(1.0 / math.sqrt(dk))
+    for h in prange(nv):
+        kh = h // rep
+        s = state[h]
+        qn = np.empty((chunk, dk), dtype=np.float32)
+        kn = np.empty((chunk, dk), dtype=np.float32)
+        u = np.empty((chunk, dv), dtype=np.float32)     # U, then v'
+        wk = np.empty((chunk, dk), dtype=np.float32)    # W
+        a = np.empty((chunk, chunk), dtype=np.float32)
+        p = np.empty((chunk, chunk), dtype=np.float32)  # intra-chunk scores q_i . k_j e^(c_i - c_j)
+        gc = np.empty((chunk, dk), dtype=np.float32)
+        acc = np.empty(dk, dtype=np.float32)
+        for c0 in range(0, t_len, chunk):
+            n = min(chunk, t_len - c0)
+            for e in range(dk):
+                acc[e] = 0.0
+            for i in range(n):
+                _l2n(q[c0 + i, kh], qn[i], scale)
+                _l2n(k[c0 + i, kh], kn[i], np.float32(1.0))
+                for e in range(dk):
+                    acc[e] += g[c0 + i, h, e]
+                    gc[i, e] = acc[e]
+            for i in range(n):
+                for j in range(i + 1):
+                    da = np.float32(0.0)
+                    dp = np.float32(0.0)
+                    for e in range(dk):
+                        f = kn[j, e] * np.float32(math.exp(gc[i, e] - gc[j, e]))
+                        da += kn[i, e] * f
+                        dp += qn[i, e] * f
+                    a[i, j] = da
+                    p[i, j] = dp
+            for i in range(n):
+                bt = beta[c0 + i, h]
+                for e in range(dv):
+                    u[i, e] = v[c0 + i, h, e] * bt
+                for e in range(dk):
+                    wk[i, e] = kn[i, e] * bt * np.float32(math.exp(gc[i, e]))
+                for j in range(i):                      # forward substitution, rows j < i done
+                    aij = bt * a[i, j]
+                    for e in range(dv):
+                        u[i, e] -= aij * u[j, e]
+                    for e in range(dk):
+                        wk[i, e] -= aij * wk[j, e]
+            for i in range(n):                          # v' = U - W S
+                for e in range(dv):
+                    d = np.float32(0.0)
+                    for r in range(dk):
+                        d += wk[i, r] * s[r, e]
+                    u[i, e] -= d
+            for i in range(n):                          # outputs: inter-chunk read + intra-chunk attention
+                for e in range(dv):
+                    out[c0 + i, h, e] = 0.0
+                for r in range(dk):
+                    qr = qn[i, r] * np.float32(math.exp(gc[i, r]))
+                    for e in range(dv):
+                        out[c0 + i, h, e] += qr * s[r, e]
+                for j in range(i + 1):
+                    pij = p[i, j]
+                    for e in range(dv):
+                        out[c0 + i, h, e] += pij * u[j, e]
+            for r in range(dk):
+                el = np.float32(math.exp(gc[n - 1, r]))
+                for e in range(dv):
+                    s[r, e] *= el
+            for i in range(n):
+                for r in range(dk):
+                    kr = kn[i, r] * np.float32(math.exp(gc[n - 1, r] - gc[i, r]))
+                    for e in range(dv):
+                        s[r, e] += kr * u[i, e]
+
+
+@njit(parallel=True, cache=True)
 def rmsnorm_gated(x, z, w, eps, out):
     """x, z [R, N]; w [N] -> out [R, N] = w * x / sqrt(mean x^2 + eps) * silu(z) (norm, then gate)."""
     r, n = x.shape
@@ -232,20 +356,27 @@ class DeltaNetOps:
         return out
 
     def gates(self, b: np.ndarray, a: np.ndarray, neg_a: np.ndarray, dt_bias: np.ndarray):
-        """b, a [T, Nv] -> (beta, g) [T, Nv] each."""
+        """b [T, Nv], a [T, N] (N: Nv, or Nv Dk for KDA's decay a key channel) -> (beta [T, Nv], g [T, N])."""
         beta = np.empty(b.shape, dtype=np.float32)
-        g = np.empty(b.shape, dtype=np.float32)
+        g = np.empty(a.shape, dtype=np.float32)
         deltanet_gates(np.ascontiguousarray(b), np.ascontiguousarray(a), neg_a, dt_bias, beta, g)
         return beta, g
 
     def delta_rule(self, q, k, v, g, beta, state, chunked: bool) -> np.ndarray:
-        """q, k [T, Nk, Dk]; v [T, Nv, Dv]; g, beta [T, Nv]; state [Nv, Dk, Dv] (updated) -> [T, Nv, Dv].
+        """q, k [T, Nk, Dk]; v [T, Nv, Dv]; beta [T, Nv]; g [T, Nv] (Gated DeltaNet: a decay a
+        head) or [T, Nv, Dk] (Kimi Delta Attention: a decay a key channel); state [Nv, Dk, Dv]
+        (updated) -> [T, Nv, Dv].
 
         chunked: the chunk-parallel form (prefill); else token by token (decode). Same result.
         """
         args = [np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v, g, beta)]
         out = np.empty(v.shape, dtype=np.float32)
-        if chunked:
+        if g.ndim == 3:
+            if chunked:
+                kda_chunked(*args, state, out, CHUNK)
+            else:
+                kda_recurrent(*args, state, out)
+        elif chunked:
             gated_delta_chunked(*args, state, out, CHUNK)
         else:
             gated_delta_recurrent(*args, state, out)

@@ -424,7 +424,8 @@ def rmsnorm_group_gated(x: np.ndarray, z: np.ndarray, w: np.ndarray, group: int,
 
 
 def deltanet_gates(b: np.ndarray, a: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray):
-    """b, a [T, Nv]; A_log, dt_bias [Nv] -> (beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias))."""
+    """b [T, Nv]; a [T, N]; A_log, dt_bias [N] -> (beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)).
+    N = Nv (Gated DeltaNet), or Nv Dk (KDA: A_log repeated over each head's Dk channels)."""
     z = a.astype(np.float64) + dt_bias.astype(np.float64)
     sp = np.where(z > 20.0, z, np.log1p(np.exp(np.minimum(z, 20.0))))
     beta = 1.0 / (1.0 + np.exp(-b.astype(np.float64)))
@@ -440,9 +441,10 @@ def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
 def gated_delta_rule(q, k, v, g, beta, state) -> tuple[np.ndarray, np.ndarray]:
     """The gated delta rule, token by token, in float64.
 
-    q, k [T, Nk, Dk] (L2-normalized here; q also scaled by Dk^-0.5); v [T, Nv, Dv]; g, beta [T, Nv];
-    state [Nv, Dk, Dv] -> (out [T, Nv, Dv], new state). Per token and value head:
-    S <- exp(g) S;  S <- S + k (x) beta (v - k^T S);  o = q^T S.
+    q, k [T, Nk, Dk] (L2-normalized here; q also scaled by Dk^-0.5); v [T, Nv, Dv]; beta [T, Nv];
+    g [T, Nv] (a decay a head) or [T, Nv, Dk] (Kimi Delta Attention: a decay a key channel, row i
+    of S times exp(g[..., i])); state [Nv, Dk, Dv] -> (out [T, Nv, Dv], new state). Per token and
+    value head: S <- exp(g) S;  S <- S + k (x) beta (v - k^T S);  o = q^T S.
     """
     t, nk, dk = q.shape
     nv = v.shape[1]
@@ -452,7 +454,8 @@ def gated_delta_rule(q, k, v, g, beta, state) -> tuple[np.ndarray, np.ndarray]:
     s = state.astype(np.float64).copy()
     out = np.zeros(v.shape, dtype=np.float64)
     for i in range(t):
-        s *= np.exp(g[i].astype(np.float64))[:, None, None]
+        decay = np.exp(g[i].astype(np.float64))
+        s *= decay[:, :, None] if g.ndim == 3 else decay[:, None, None]
         mem = np.einsum("hkv,hk->hv", s, kn[i])
         delta = (v[i] - mem) * beta[i].astype(np.float64)[:, None]
         s += kn[i][:, :, None] * delta[:, None, :]

@@ -18,6 +18,7 @@ from engine.models import (afmoe, cohere2_moe, dbrx, deepseek_v2, deepseek_v3, d
                            qwen3_omni_moe, qwen3_vl_moe, solar_open, step3p5)
 from engine.models import granitemoe
 from engine.models import nemotron_h
+from engine.models import kimi_linear
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -63,6 +64,7 @@ FAMILIES = {
     "phimoe": phimoe,                    # Phi-3.5-MoE: LayerNorms, sparsemixer routing (CPU backend)
     "dbrx": dbrx,                        # DBRX: fused Wqkv, LayerNorms, p-normed top-k weights
     "nemotron_h": nemotron_h,            # Nemotron-3 Nano / Super: Mamba-2 + attention + relu^2 MoE (CPU backend)
+    "kimi_linear": kimi_linear,          # Kimi-Linear: KDA + MLA without RoPE, DeepSeek-V3's MoE (CPU backend)
 }
 
 # model types that are another family's architecture under their own name

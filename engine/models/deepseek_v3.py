@@ -150,8 +150,13 @@ class DeepseekV3Decoder(MoeDecoder):
 
     def attention(self, l: int, h, pos: np.ndarray, st: MlaState):
         q_lat, _ = self.latent(l, h, pos, st)
-        a = self.ops.attention(q_lat, st.k[l], st.v[l], pos, self.c.softmax_scale, self.window(l), None)
+        s = self.cache_index(l)
+        a = self.ops.attention(q_lat, st.k[s], st.v[s], pos, self.c.softmax_scale, self.window(l), None)
         return self.out(l, a)
+
+    def cache_index(self, l: int) -> int:
+        """Layer l's index in the state's latent cache (a hybrid caches its MLA layers alone)."""
+        return l
 
     def latent(self, l: int, h, pos: np.ndarray, st: MlaState):
         """The queries in the latent space [T, Hq, C + R], the tokens' rows stored in st; and the
@@ -173,13 +178,15 @@ class DeepseekV3Decoder(MoeDecoder):
             ops.add_(kv, w("kv_a_bias", l))
         q_pe = np.ascontiguousarray(q[:, :, nope + self.rot])
         k_pe = np.ascontiguousarray(kv[:, None, cd + self.rot])
-        ops.rope(q_pe, pos, self.inv_freq, c.rope.attention_factor)
-        ops.rope(k_pe, pos, self.inv_freq, c.rope.attention_factor)
+        if l not in c.nope_layers:
+            ops.rope(q_pe, pos, self.inv_freq, c.rope.attention_factor)
+            ops.rope(k_pe, pos, self.inv_freq, c.rope.attention_factor)
         row = np.concatenate([ops.rmsnorm(kv[:, :cd], w("kv_a_norm", l), LATENT_EPS)[:, None],
                               k_pe], axis=-1)                             # [T, 1, C + R]
         q_lat = np.concatenate([ops.per_head_linear(q[:, :, :nope], w("w_uk", l)), q_pe],
                                axis=-1)                                   # [T, Hq, C + R]
-        ops.kv_store(st.k[l], st.v[l], int(pos[0]), row, row, self.kv_bf16)
+        s = self.cache_index(l)
+        ops.kv_store(st.k[s], st.v[s], int(pos[0]), row, row, self.kv_bf16)
         return q_lat, qr
 
     def out(self, l: int, a):
