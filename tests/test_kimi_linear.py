@@ -42,6 +42,10 @@ CASES = [
 _SAVED_ONLY = ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim",
                "head_dim", "qk_head_dim")
 
+# the chunked KDA prefill against the one-token steps, whole-model logits: float32's rounding in the
+# chunk's forward substitution, carried through the MoE layers, reached 1.6e-5 in 1 of 20 random
+# models (3e-6 typically); a wrong decay or gate gives errors of 1e-2 and more
+PREFILL_TOL = 1e-4
 
 def build(dst, dtype: str = "float32", release: bool = False, **over):
     """A random transformers Kimi-Linear (decays, gates, norms and the selection bias away from
@@ -90,7 +94,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, over):
     ids = check_against(hf, m, n_ids=14, n_new=20)
     if over is CASES[0]:
         check_state_resumes(tmp_path, ids)
-        check_prefill_equals_token_by_token(m.model, ids)
+        check_prefill_equals_token_by_token(m.model, ids, tol=PREFILL_TOL)
 
 
 def test_chunked_prefill(tmp_path):
@@ -106,8 +110,8 @@ def test_chunked_prefill(tmp_path):
     st2 = model.new_state(len(ids))
     split = np.concatenate([np.asarray(model.forward(ids[:40], st2, all_logits=True)),
                             np.asarray(model.forward(ids[40:], st2, all_logits=True))])
-    assert rel_err(steps, prefill) < 1e-5
-    assert rel_err(split, prefill) < 1e-5
+    assert rel_err(steps, prefill) < PREFILL_TOL
+    assert rel_err(split, prefill) < PREFILL_TOL
     for a, b in ((st.ssm, st1.ssm), (st.conv, st1.conv), (st.k, st1.k)):
         assert rel_err(a, b) < 1e-5
     assert rel_err(prefill, hf_logits(hf, ids)) < 1e-4
