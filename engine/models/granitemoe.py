@@ -48,11 +48,7 @@ class GraniteMoeConfig(MoeConfig):
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported; {family} runs silu")
-        # absent fields are 1.0, as transformers' config defaults them (the scores' scale too)
-        m = {k: 1.0 if cfg.get(k) is None else float(cfg[k]) for k in MULTIPLIERS}
-        for k in ("attention_multiplier", "logits_scaling"):
-            if m[k] == 0:
-                raise ConfigError(f"config.json: {k} is 0; expected a nonzero {k}")
+        m = multipliers(cfg)
         f = MoeConfig.common_hf(cfg)
         f["score_scale"] = m["attention_multiplier"]
         if family == "granitemoe_swa":
@@ -61,6 +57,16 @@ class GraniteMoeConfig(MoeConfig):
                    shared_intermediate=0 if family == "granitemoe" else int(cfg.get("shared_intermediate_size") or 0),
                    embedding_multiplier=m["embedding_multiplier"], residual_multiplier=m["residual_multiplier"],
                    logits_scaling=m["logits_scaling"], sinks=family == "granitemoe_swa")
+
+
+def multipliers(cfg: dict) -> dict:
+    """MULTIPLIERS from config.json; absent ones are 1.0, as transformers' config defaults them
+    (the scores' scale too). Also granitemoehybrid's."""
+    m = {k: 1.0 if cfg.get(k) is None else float(cfg[k]) for k in MULTIPLIERS}
+    for k in ("attention_multiplier", "logits_scaling"):
+        if m[k] == 0:
+            raise ConfigError(f"config.json: {k} is 0; expected a nonzero {k}")
+    return m
 
 
 def swa_fields(cfg: dict, f: dict) -> dict:
