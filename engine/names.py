@@ -184,6 +184,11 @@ _GRANITEMOE = {**_LLAMA_LIKE, "router": "model.layers.{l}.block_sparse_moe.route
                "shared_down": "model.layers.{l}.shared_mlp.output_linear.weight",
                "sinks": "model.layers.{l}.self_attn.sinks"}
 
+# Granite 4.0 hybrid: Granite MoE's names, the Mamba-2 mixer's under mamba. (Nemotron-H's keys)
+_GRANITEMOEHYBRID = {**_GRANITEMOE, **{k: "model.layers.{l}.mamba." + v for k, v in (
+    ("m_in", "in_proj.weight"), ("m_conv", "conv1d.weight"), ("m_conv_bias", "conv1d.bias"), ("m_A_log", "A_log"),
+    ("m_D", "D"), ("m_dt_bias", "dt_bias"), ("m_norm", "norm.weight"), ("m_out", "out_proj.weight"))}}
+
 # MiMo-V2-Flash: DeepSeek-V3's router names, no shared experts, the sliding layers' sinks
 _MIMO = {**_LLAMA_LIKE, "router_bias": "model.layers.{l}.mlp.gate.e_score_correction_bias",
          "sinks": "model.layers.{l}.self_attn.attention_sink_bias"}
@@ -301,6 +306,7 @@ NAMES: dict[str, dict[str, str]] = {
     "granitemoe": _GRANITEMOE,
     "granitemoeshared": _GRANITEMOE,
     "granitemoe_swa": _GRANITEMOE,
+    "granitemoehybrid": _GRANITEMOEHYBRID,
     "kimi_linear": _KIMI_LINEAR,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,

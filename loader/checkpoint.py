@@ -40,7 +40,8 @@ FLAT_FUSED = ("dbrx",)                    # model types whose fused experts are 
 # conversion_mapping's renames): (model types, the released name, transformers'); read under
 # transformers' name, so a release and a folder transformers saved with save_original_format=False
 # load alike
-RENAMED = tuple((("granitemoe", "granitemoeshared"), re.compile(rf"^(?P<p>.*\.block_sparse_moe)\.{old}$"), new)
+RENAMED = tuple((("granitemoe", "granitemoeshared", "granitemoehybrid"),
+                 re.compile(rf"^(?P<p>.*\.block_sparse_moe)\.{old}$"), new)
                 for old, new in ((r"input_linear\.weight", "experts.gate_up_proj"),
                                  (r"output_linear\.weight", "experts.down_proj"),
                                  (r"router\.layer\.weight", "router.weight")))

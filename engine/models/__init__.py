@@ -19,6 +19,7 @@ from engine.models import (afmoe, cohere2_moe, dbrx, deepseek_v2, deepseek_v3, d
 from engine.models import granitemoe
 from engine.models import nemotron_h
 from engine.models import kimi_linear
+from engine.models import granitemoehybrid
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -65,6 +66,7 @@ FAMILIES = {
     "dbrx": dbrx,                        # DBRX: fused Wqkv, LayerNorms, p-normed top-k weights
     "nemotron_h": nemotron_h,            # Nemotron-3 Nano / Super: Mamba-2 + attention + relu^2 MoE (CPU backend)
     "kimi_linear": kimi_linear,          # Kimi-Linear: KDA + MLA without RoPE, DeepSeek-V3's MoE (CPU backend)
+    "granitemoehybrid": granitemoehybrid,  # Granite 4.0 H: Mamba-2 + attention, Granite MoE's MLP (CPU backend)
 }
 
 # model types that are another family's architecture under their own name
