@@ -51,6 +51,9 @@ def pack(src, dst, experts: str = "nvfp4", force: bool = False, progress: bool =
     ck.require(fam.dense_spec, getattr(fam.config, "int_tensors", ()))
     ck.require(fam.expert_spec)
     ck.tokenizer_path()
+    if not c.moe_layers:   # an arena of no blocks: the engine's expert cache has nothing to serve
+        raise PackError(f"{ck.dir}: {c.family} without routed experts (a dense model) has nothing "
+                        "to pack; run the checkpoint folder itself")
     if experts == "nvfp4" and c.moe_layers and \
             any(n in ck.intq for n in expert_names(c.family, c.moe_layers[0], 0)):
         print(f"{ck.dir}: its integer-quantized experts are re-quantized into NVFP4, whose grid is "
