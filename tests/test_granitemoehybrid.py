@@ -142,3 +142,4 @@ def test_config_read_and_refused():
     refused(r"num_local_experts=-1; expected 0 \(dense\) or more", num_local_experts=-1)
     refused(r"num_experts_per_tok=9 must be in 1..8", num_experts_per_tok=9)
     refused(r"logits_scaling is 0", logits_scaling=0)
+    refused(r"shared_intermediate_size=0; expected a positive size", shared_intermediate_size=0)

@@ -88,8 +88,13 @@ class GraniteMoeHybridConfig(NemotronHConfig):
         n_experts = int(cfg.get("num_local_experts") if cfg.get("num_local_experts") is not None else 8)
         if n_experts < 0:
             raise ConfigError(f"config.json: num_local_experts={n_experts}; expected 0 (dense) or more")
+        shared = cfg.get("shared_intermediate_size")
+        shared = 1024 if shared is None else int(shared)   # transformers' default
+        if shared < 1:   # the reference builds the shared MLP in every layer
+            raise ConfigError(f"config.json: shared_intermediate_size={shared}; expected a positive size")
         m = multipliers(cfg)
         common = dict(cfg)
+        common.setdefault("max_position_embeddings", 2048)   # transformers' default
         if pe != "rope":   # no RoPE is applied; its parameters, if any, are not read
             for key in ("rope_parameters", "rope_scaling", "partial_rotary_factor"):
                 common.pop(key, None)
@@ -102,8 +107,7 @@ class GraniteMoeHybridConfig(NemotronHConfig):
                  moe_layers=tuple(range(n)) if n_experts else (),
                  nope_layers=() if pe == "rope" else tuple(range(n)))
         return cls(**f, kinds=kinds, moe_intermediate=int(need(cfg, "intermediate_size")) if n_experts else 0,
-                   # transformers builds the shared MLP in every layer whatever its size
-                   shared_intermediate=int(cfg.get("shared_intermediate_size") or 1024),
+                   shared_intermediate=shared,
                    norm_topk_prob=True, mamba_heads=hm, mamba_head_dim=d_head, n_groups=groups,
                    ssm_state=int(cfg.get("mamba_d_state") or 256), conv_kernel=int(cfg.get("mamba_d_conv") or 4),
                    conv_bias=bool(cfg.get("mamba_conv_bias", True)), dt_limit=limit,
