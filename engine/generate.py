@@ -83,6 +83,10 @@ def main(argv=None) -> int:
               f"at {s['prefill_tok_s']:.1f} tok/s | "
               f"decode: {s['decode_tokens']} tokens at {s['decode_tok_s']:.2f} tok/s | "
               f"device {m.device} | finish: {res.finish_reason}", file=sys.stderr)
+        jit = (s.get("prefill_compile_s", 0.0), s.get("decode_compile_s", 0.0))
+        if sum(jit) >= 0.5:   # a first run: the rates above include compiling the kernels
+            print(f"first run: {jit[0]:.1f} s of the prefill and {jit[1]:.1f} s of the decode went to "
+                  f"compiling the CPU kernels (cached on disk: later runs skip it)", file=sys.stderr)
         print(m.cores.describe(), file=sys.stderr)
         ex = s.get("experts", {})
         if ex.get("source") == "arena":

@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.affinity import pin_current_thread, plan_cores
 from engine.models import family_of
+from engine.jitclock import compile_seconds
 from engine.names import expert_names, name
 from engine.prefix import PrefixStore, usable
 from engine.tokenizer import StreamDecoder, load_tokenizer
@@ -518,12 +519,14 @@ class Engine:
         st, keep, src, last = self._resume(prompt_ids, len(prompt_ids) + n_new)
         epoch = self._take_state()   # (_fed again once this generation ends cleanly)
         self.state = st
+        j0 = compile_seconds()
         t0 = time.perf_counter()
         if last is None:
             logits = self.model.forward(np.asarray(prompt_ids[keep:], dtype=np.int64), st)
         else:   # a saved copy holds the whole prompt and its last logits: nothing to prefill
             logits = last[None]
         t1 = time.perf_counter()
+        j1 = compile_seconds()
         self._prompt_len = len(prompt_ids)
         if self.prefix_cache and not self.model.rewinds and last is None and \
                 0 < st.save_nbytes(st.pos) <= self.saved.budget:
@@ -533,7 +536,7 @@ class Engine:
         stats.update(prefill_tokens=len(prompt_ids), prefill_cached_tokens=keep,
                      prefill_cached_from=src, prefill_s=t1 - t0,
                      prefill_tok_s=(len(prompt_ids) - keep) / max(t1 - t0, 1e-9), decode_tokens=0,
-                     decode_s=0.0)
+                     decode_s=0.0, prefill_compile_s=j1 - j0, decode_compile_s=0.0)
         stats["finish_reason"] = "length"
         c0 = self._counters()
         ids = self._sampled_ids(logits[-1], st, params, rng, n_new)   # runs as the loop asks
@@ -557,6 +560,7 @@ class Engine:
             raise
         finally:
             ids.close()
+            stats["decode_compile_s"] = compile_seconds() - j1   # (kernels a first run compiles)
             self._finish_stats(stats, c0)
             # the state holds the prompt and the generated ids a forward pass has taken (the
             # last one yielded never went in); after an error it holds nothing reliable; and
