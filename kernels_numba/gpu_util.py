@@ -11,6 +11,7 @@ Blocks are 1-D; lane = threadIdx.x % 32, warp = threadIdx.x // 32.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 from numba import config, cuda, float32, int32, uint16, uint32, uint64
@@ -412,7 +413,14 @@ if SIM:
     def _noop():
         pass
 
-    pdl_wait = pdl_trigger = fence_system = pause = _noop
+    pdl_wait = pdl_trigger = fence_system = _noop
+
+    @cuda.jit(device=True)
+    def pause():
+        # a simulated spin loop (a gate waiting for the host thread) sleeps, giving up the GIL
+        # for the thread it waits on: spinning bare, it starved that thread on a loaded machine
+        # (a CI run timed the residency check out at 600 s; alone it takes 3 s)
+        time.sleep(1e-4)
 
     @cuda.jit(device=True)
     def globaltimer():
