@@ -29,7 +29,7 @@ from engine.models import base
 from engine.models.base import MoeConfig, MoeDecoder, layer_list, need
 from engine.models.granitemoe import multipliers
 from engine.models.hybrid import FULL, LINEAR
-from engine.models.nemotron_h import LEGACY, NemotronHConfig, NemotronHDecoder, _float
+from engine.models.nemotron_h import LEGACY, NemotronHConfig, NemotronHDecoder, _float, mamba_spec
 from engine.models.rope import ConfigError
 from engine.names import name
 
@@ -125,15 +125,7 @@ def dense_spec(c: GraniteMoeHybridConfig) -> dict[str, tuple]:
         spec[name(f, "attn_norm", l)] = (h,)
         spec[name(f, "mlp_norm", l)] = (h,)
         if kind == LINEAR:
-            hm, inner = c.mamba_heads, c.mamba_inner
-            spec[name(f, "m_in", l)] = (inner + c.conv_dim + hm, h)
-            spec[name(f, "m_conv", l)] = (c.conv_dim, 1, c.conv_kernel)
-            if c.conv_bias:
-                spec[name(f, "m_conv_bias", l)] = (c.conv_dim,)
-            for key in ("m_A_log", "m_D", "m_dt_bias"):
-                spec[name(f, key, l)] = (hm,)
-            spec[name(f, "m_norm", l)] = (inner,)
-            spec[name(f, "m_out", l)] = (h, inner)
+            spec.update(mamba_spec(c, l))
         else:
             spec[name(f, "q", l)] = (c.q_dim, h)
             spec[name(f, "k", l)] = (c.kv_dim, h)

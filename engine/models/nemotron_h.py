@@ -172,6 +172,19 @@ class NemotronHConfig(MoeConfig):
                    ignored_parts=(MTP,) if n_mtp else ())
 
 
+def mamba_spec(c, l: int) -> dict[str, tuple]:
+    """Layer l's Mamba-2 mixer tensors with their shapes (Nemotron-H's, Granite 4.0 hybrid's)."""
+    f, h, hm, inner = c.family, c.hidden, c.mamba_heads, c.mamba_inner
+    spec = {name(f, "m_in", l): (inner + c.conv_dim + hm, h), name(f, "m_conv", l): (c.conv_dim, 1, c.conv_kernel)}
+    if c.conv_bias:
+        spec[name(f, "m_conv_bias", l)] = (c.conv_dim,)
+    for key in ("m_A_log", "m_D", "m_dt_bias"):
+        spec[name(f, key, l)] = (hm,)
+    spec[name(f, "m_norm", l)] = (inner,)
+    spec[name(f, "m_out", l)] = (h, inner)
+    return spec
+
+
 def dense_spec(c: NemotronHConfig) -> dict[str, tuple]:
     """Every non-expert tensor the model reads, with its shape: the completeness contract."""
     f, h = c.family, c.hidden
@@ -181,15 +194,7 @@ def dense_spec(c: NemotronHConfig) -> dict[str, tuple]:
     for l, kind in enumerate(c.kinds):
         spec[name(f, "norm", l)] = (h,)
         if kind == LINEAR:
-            hm, inner = c.mamba_heads, c.mamba_inner
-            spec[name(f, "m_in", l)] = (inner + c.conv_dim + hm, h)
-            spec[name(f, "m_conv", l)] = (c.conv_dim, 1, c.conv_kernel)
-            if c.conv_bias:
-                spec[name(f, "m_conv_bias", l)] = (c.conv_dim,)
-            for key in ("m_A_log", "m_D", "m_dt_bias"):
-                spec[name(f, key, l)] = (hm,)
-            spec[name(f, "m_norm", l)] = (inner,)
-            spec[name(f, "m_out", l)] = (h, inner)
+            spec.update(mamba_spec(c, l))
         elif kind == FULL:
             spec[name(f, "q", l)] = (c.q_dim, h)
             spec[name(f, "k", l)] = (c.kv_dim, h)
