@@ -9,6 +9,8 @@ logits of the same passes replayed on a fresh model in one state that is never g
 must be a fresh engine's for the whole prompt (up to near-ties)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -61,6 +63,14 @@ def run(m, rec, prompt, n) -> tuple[list, dict]:
     rec.logits.clear()
     out = list(m.stream(prompt, GenerationParams(max_new_tokens=n, stop_ids=()), stats))
     return out, stats
+
+
+def gen(m, prompt, n) -> SimpleNamespace:
+    """m.generate with no stop id: a random model may draw its EOS early, and these tests count
+    the ids each generation fed."""
+    stats: dict = {}
+    out = list(m.stream(prompt, GenerationParams(max_new_tokens=n, stop_ids=()), stats))
+    return SimpleNamespace(output_ids=out, stats=stats)
 
 
 def replay(fresh, history) -> list:
@@ -182,9 +192,9 @@ def test_a_request_between_turns_changes_nothing(models):
             assert (sa["prefill_cached_from"], sb["prefill_cached_from"]) == ("live", "saved")
         assert a == b and np.array_equal(la, lb), name
         m = engine.load(models[name], device="cpu", prefix_cache=True, prefix_cache_gb=0)
-        out1 = m.generate(p1, max_new_tokens=5).output_ids
-        m.generate(title, max_new_tokens=3)
-        r = m.generate(p1 + out1[:4] + [1, 2], max_new_tokens=2)
+        out1 = gen(m, p1, 5).output_ids
+        gen(m, title, 3)
+        r = gen(m, p1 + out1[:4] + [1, 2], 2)
         assert r.stats["prefill_cached_tokens"] == 0 and not m.saved.items
 
 
@@ -195,21 +205,21 @@ def test_copies_within_a_small_budget(models):
     m = engine.load(models["moe"], device="cpu", prefix_cache=True)
     m.saved.budget = m.model.new_state(32).save_nbytes(20)
     p1 = list(range(10, 22))
-    a = m.generate(p1, max_new_tokens=6).output_ids
-    m.generate([200, 201, 202, 203, 204], max_new_tokens=3)
-    r = m.generate(p1 + a[:5] + [5, 6], max_new_tokens=3)
+    a = gen(m, p1, 6).output_ids
+    gen(m, [200, 201, 202, 203, 204], 3)
+    r = gen(m, p1 + a[:5] + [5, 6], 3)
     assert (r.stats["prefill_cached_tokens"], r.stats["prefill_cached_from"]) == (17, "saved")
     assert [len(s.ids) for s in m.saved.items] == [7]   # the title request's, which evicted it
 
     h = engine.load(models["hybrid"], device="cpu", prefix_cache=True)
     x = [10, 11, 12, 13, 14, 15]
-    o = h.generate(x, max_new_tokens=2).output_ids
+    o = gen(h, x, 2).output_ids
     p = x + [o[0], 20, 21, 22]
-    h.generate(p, max_new_tokens=3)
-    h.generate(x, max_new_tokens=2)   # live: x and o[0], which the copy at p's end extends
-    r = h.generate(p + [99], max_new_tokens=2)
+    gen(h, p, 3)
+    gen(h, x, 2)   # live: x and o[0], which the copy at p's end extends
+    r = gen(h, p + [99], 2)
     assert (r.stats["prefill_cached_tokens"], r.stats["prefill_cached_from"]) == (len(p), "saved")
-    r = h.generate(x + [o[0], 98, 97], max_new_tokens=2)
+    r = gen(h, x + [o[0], 98, 97], 2)
     assert (r.stats["prefill_cached_tokens"], r.stats["prefill_cached_from"]) == (7, "saved")
 
 
@@ -277,19 +287,19 @@ def test_store_keeps_what_serves_and_fits():
 def test_off_by_default_and_forgotten(models):
     m = engine.load(models["moe"], device="cpu")
     p = list(range(20, 32))
-    m.generate(p, max_new_tokens=3)
-    assert m.generate(p, max_new_tokens=3).stats["prefill_cached_tokens"] == 0
+    gen(m, p, 3)
+    assert gen(m, p, 3).stats["prefill_cached_tokens"] == 0
     m.prefix_cache = True
-    m.generate(p, max_new_tokens=3)
-    assert m.generate(p, max_new_tokens=3).stats["prefill_cached_tokens"] == len(p) - 1
+    gen(m, p, 3)
+    assert gen(m, p, 3).stats["prefill_cached_tokens"] == len(p) - 1
     m.logits(p[:4])          # another sequence went through the model: nothing live to resume,
-    r = m.generate(p, max_new_tokens=3)   # but the copy saved when the second run began
+    r = gen(m, p, 3)   # but the copy saved when the second run began
     assert (r.stats["prefill_cached_tokens"], r.stats["prefill_cached_from"]) == (len(p) - 1, "saved")
     m.logits(p[:4])
     m.saved.clear()
-    assert m.generate(p, max_new_tokens=3).stats["prefill_cached_tokens"] == 0
+    assert gen(m, p, 3).stats["prefill_cached_tokens"] == 0
     m.release_state()
-    assert m.generate(p, max_new_tokens=3).stats["prefill_cached_tokens"] == 0
+    assert gen(m, p, 3).stats["prefill_cached_tokens"] == 0
 
 
 def test_stopped_early_keeps_what_went_in(models):
@@ -299,17 +309,17 @@ def test_stopped_early_keeps_what_went_in(models):
     recurrent state has moved), only the copy kept at the prompt's end."""
     m = engine.load(models["moe"], device="cpu", prefix_cache=True)
     p = list(range(40, 52))
-    gen = m.stream(p, GenerationParams(max_new_tokens=10, stop_ids=()))
-    got = [next(gen) for _ in range(4)]
-    gen.close()
-    r = m.generate(p + got + [5], max_new_tokens=2)
+    it = m.stream(p, GenerationParams(max_new_tokens=10, stop_ids=()))
+    got = [next(it) for _ in range(4)]
+    it.close()
+    r = gen(m, p + got + [5], 2)
     assert r.stats["prefill_cached_tokens"] == len(p) + 3   # the fourth id never went in
     old = m.stream(p, GenerationParams(max_new_tokens=10, stop_ids=()))
     next(old)
     q = list(range(60, 70))
-    m.generate(q, max_new_tokens=3)
+    gen(m, q, 3)
     old.close()              # must not claim that the state holds p
-    assert m.generate(q + [1], max_new_tokens=2).stats["prefill_cached_tokens"] == len(q)
+    assert gen(m, q + [1], 2).stats["prefill_cached_tokens"] == len(q)
 
     h = engine.load(models["hybrid"], device="cpu", prefix_cache=True)
     rec = Recorder(h, fail_at=3)   # the prefill, one decode step, then a failure
