@@ -810,7 +810,10 @@ class GpuDecoder:
         self._done = cuda.event()
         self._promoted = cuda.event()
         from engine.residency import DeviceWriter
-        self._writer = DeviceWriter(self.xs)
+        self._writer = DeviceWriter(self.xs, self.res._driver)
+        # the addresses a served layer writes at (numba builds an array's anew when asked)
+        self._serve_addr = None if self._writer.sim else (
+            DeviceWriter.ptr(self.slots_d), self.slots_h.ctypes.data, DeviceWriter.ptr(self.flag_d))
 
     def _gather_setup(self) -> None:
         """The RAM cache's pinned buffers and block table as device arrays, and for each MoE
@@ -913,8 +916,14 @@ class GpuDecoder:
             slots[miss] = self.res.resolve(l, ids[miss], wait=False,
                                            protect={(l, int(e)) for e in ids[~miss]})
         self.slots_h[l] = slots
-        self._writer.put(self.slots_d[l], self.slots_h[l])
-        self._writer.set(self.flag_d, l, seq)
+        if self._serve_addr is None:
+            self._writer.put(self.slots_d[l], self.slots_h[l])
+            self._writer.set(self.flag_d, l, seq)
+        else:
+            slots_d, slots_h, flag_d = self._serve_addr
+            row = 4 * K * l
+            self._writer.copy(slots_d + row, slots_h + row, 4 * K, f"of layer {l}'s slots")
+            self._writer.set(self.flag_d, l, seq, flag_d)
         ev1.record(self.xs)
         return ev0, ev1
 

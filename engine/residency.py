@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
@@ -51,24 +52,41 @@ class VramStats:
         return d
 
 
-def h2d_copier(bank, stream):
+def h2d_copier(bank, stream, buffers=None, driver=None):
     """copy(slot, host_block, nbytes) into row `slot` of the uint8 [S, B] device array `bank` on
     `stream`: cuMemcpyHtoDAsync straight from the driver (numba's copy_to_device costs tens of
     microseconds of Python a call, and a streamed decode token issues hundreds), numba's copy
-    under the simulator."""
+    under the simulator. buffers: a function giving (array, host address) of the host tier's
+    pinned buffers, the blocks it hands out, whose addresses are then known (numpy's .ctypes
+    costs microseconds a call); asked at the first copy (after the plan has sized the RAM
+    cache), held by weak references; driver: a stand-in for cuda.bindings.driver (tests)."""
     from kernels_numba.gpu_util import SIM
-    if SIM:
+    if SIM and driver is None:
         def copy_sim(slot: int, block: np.ndarray, nbytes: int) -> None:
             bank[slot, :nbytes].copy_to_device(block[:nbytes], stream=stream)
         return copy_sim
-    w = DeviceWriter(stream)
+    w = DeviceWriter(stream, driver)
+    drv, h, ok = w._drv, w._h, w._drv.CUresult.CUDA_SUCCESS
     base = DeviceWriter.ptr(bank)
     row = bank.shape[1]
+    known: dict = {}
+    asked = [buffers is None]
 
     def copy(slot: int, block: np.ndarray, nbytes: int) -> None:
-        if not block.flags.c_contiguous:
-            block = np.ascontiguousarray(block)
-        w.copy(base + slot * row, block, nbytes, f"into VRAM slot {slot}")
+        if not asked[0]:
+            asked[0] = True
+            known.update((id(a), (weakref.ref(a), int(addr))) for a, addr in buffers())
+        ent = known.get(id(block))
+        if ent is not None and ent[0]() is block:   # (the same object, alive)
+            src = ent[1]
+        else:
+            if not block.flags.c_contiguous:
+                block = np.ascontiguousarray(block)
+            src = block.ctypes.data
+        (err,) = drv.cuMemcpyHtoDAsync(base + slot * row, src, nbytes, h)
+        if err != ok:
+            raise ResidencyError(f"cuMemcpyHtoDAsync of {nbytes} bytes into VRAM slot {slot} "
+                                 f"failed: {err.name}")
     return copy
 
 
@@ -77,12 +95,16 @@ class DeviceWriter:
     status checked: set(a, i, v) writes a.flat[i] = v and fill(a, v) all of the int32 array a
     (cuMemsetD32Async: no host buffer to keep alive), put(a, h) copies the pinned host array h
     into a, copy(dst, h, n) n bytes of h to the device address dst. numba's copies (synchronous)
-    under the simulator (set, fill, put)."""
+    under the simulator (set, fill, put). Callers that write the same array often pass its
+    address (ptr(a), kept): numba builds it anew each time it is asked. driver: a stand-in for
+    cuda.bindings.driver that also runs under the simulator (tests)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, driver=None):
         from kernels_numba.gpu_util import SIM
-        self.sim = SIM
-        if not SIM:
+        self.sim = SIM and driver is None
+        if driver is not None:
+            self._drv, self._h = driver, 0
+        elif not SIM:
             from cuda.bindings import driver
 
             from engine.graphs import stream_handle
@@ -97,12 +119,12 @@ class DeviceWriter:
         if err != self._drv.CUresult.CUDA_SUCCESS:
             raise ResidencyError(f"{what} failed: {err.name}")
 
-    def set(self, a, i: int, v: int) -> None:
+    def set(self, a, i: int, v: int, addr: int | None = None) -> None:
         if self.sim:
             a.reshape(-1)[i:i + 1].copy_to_device(np.array([v], np.int32))
             return
-        (err,) = self._drv.cuMemsetD32Async(self.ptr(a) + 4 * int(i), int(v) & 0xFFFFFFFF, 1,
-                                            self._h)
+        base = self.ptr(a) if addr is None else addr
+        (err,) = self._drv.cuMemsetD32Async(base + 4 * int(i), int(v) & 0xFFFFFFFF, 1, self._h)
         self._check(err, f"cuMemsetD32Async of entry {i}")
 
     def fill(self, a, v: int) -> None:
@@ -118,8 +140,10 @@ class DeviceWriter:
             return
         self.copy(self.ptr(a), h, h.nbytes)
 
-    def copy(self, dst: int, h: np.ndarray, nbytes: int, what: str = "") -> None:
-        (err,) = self._drv.cuMemcpyHtoDAsync(dst, h.ctypes.data, nbytes, self._h)
+    def copy(self, dst: int, h, nbytes: int, what: str = "") -> None:
+        """h: a host array, or its address."""
+        src = h if isinstance(h, int) else h.ctypes.data
+        (err,) = self._drv.cuMemcpyHtoDAsync(dst, src, nbytes, self._h)
         self._check(err, f"cuMemcpyHtoDAsync of {nbytes} bytes {what}".rstrip())
 
 
@@ -127,7 +151,8 @@ class VramResidency:
     """host: an object with get(layer, expert) -> uint8 [B] block (pinned where it can be) and
     contains(layer, expert) -> bool (is it in host RAM already)."""
 
-    def __init__(self, n_slots: int, block_bytes: int, host, copy_stream, compute_stream):
+    def __init__(self, n_slots: int, block_bytes: int, host, copy_stream, compute_stream,
+                 driver=None):
         if n_slots < 1:
             raise ResidencyError("VRAM bank needs at least one slot")
         self.bank = cuda.device_array((n_slots, block_bytes), np.uint8)   # uint8 [S, B]
@@ -141,9 +166,12 @@ class VramResidency:
         self.stats = VramStats()
         self.copied = False
         self._evt = cuda.event()
-        self._copy = h2d_copier(self.bank, copy_stream)
+        self._driver = driver   # (a stand-in for the CUDA driver: tests)
+        self._copy = h2d_copier(self.bank, copy_stream, getattr(host, "buffer_addresses", None),
+                                driver)
         self._spec: dict = {}       # layer -> (event, predicted keys, keys copied on the prediction)
-        self._table = None          # (device int32 [L, E] mirror of slot_of, its DeviceWriter)
+        self._table = None          # (device int32 [L, E] mirror of slot_of, its DeviceWriter,
+                                    #  its device address)
         self._table_h = None        # its host copy (pinned)
         self._batched = False       # inside batched_table: entries go to _table_h only
         self._batch_changed = False
@@ -159,7 +187,8 @@ class VramResidency:
             host[layer, e] = slot
         table.copy_to_device(host, stream=self.xs)
         self.xs.synchronize()
-        self._table = (table, DeviceWriter(self.xs))
+        w = DeviceWriter(self.xs, self._driver)
+        self._table = (table, w, None if w.sim else DeviceWriter.ptr(table))
         self._table_h = host
 
     @contextlib.contextmanager
@@ -173,8 +202,11 @@ class VramResidency:
         finally:
             self._batched = False
             if self._batch_changed:
-                table, w = self._table
-                w.put(table, self._table_h)
+                table, w, addr = self._table
+                if w.sim:
+                    w.put(table, self._table_h)
+                else:
+                    w.copy(addr, self._table_h, self._table_h.nbytes, "of the slot table")
 
     def _mirror(self, key, slot: int) -> None:
         if self._table is not None:
@@ -182,8 +214,8 @@ class VramResidency:
             if self._batched:
                 self._batch_changed = True
                 return
-            table, w = self._table
-            w.set(table, key[0] * table.shape[1] + key[1], slot)
+            table, w, addr = self._table
+            w.set(table, key[0] * self._table_h.shape[1] + key[1], slot, addr)
 
     @property
     def n_slots(self) -> int:

@@ -139,6 +139,10 @@ class ArenaExperts:
     def contains(self, layer: int, expert: int) -> bool:
         return self.cache.contains(layer, expert)
 
+    def buffer_addresses(self) -> list:
+        """(block view, host address) of the RAM cache's pinned buffers, for the VRAM tier's copies."""
+        return self.cache.buffer_addresses()
+
     def device_view(self):
         """The RAM cache's pinned buffers and block table as kernels read them (or None)."""
         return self.cache.device_view()

@@ -348,6 +348,10 @@ class ExpertCache:
                 self._count_hit(self._entries[key])
             return [self.pool.view(ent.slot) for ent in ents]
 
+    def buffer_addresses(self) -> list[tuple[np.ndarray, int]]:
+        """(view, host address) of every buffer get / get_many may return."""
+        return self.pool.addresses()
+
     def note_hits(self, layer: int, experts: Sequence[int]) -> int:
         """Blocks a kernel read from the pool itself (device_view): counted as hits and made
         recent, as get_many would; returns how many of them are still ready."""

@@ -1,4 +1,7 @@
 """VRAM tier logic under NUMBA_ENABLE_CUDASIM=1 (run by tests/test_residency.py)."""
+import ctypes
+import enum
+
 import numpy as np
 from numba import cuda
 
@@ -94,6 +97,7 @@ def main():
     assert r.stats.spec_routed == 2 * (layer + 1) and r.stats.spec_copies == copies
     bank_matches(r)
     device_table_and_gate(xs, cs)
+    driver_path(xs, cs)
     print("OK")
 
 
@@ -182,6 +186,103 @@ def device_table_and_gate(xs, cs):
     assert time.perf_counter() - t0 >= 0.3 and list(slots.copy_to_host()) == [4, 5]
     assert list(ids_out[1][:4]) == [9, 4, -1, 5]
     gather_and_uniform_routes(cs)
+
+
+class Driver:
+    """cuda.bindings.driver's two writes over the simulator's arrays, whose host memory stands
+    in for device memory (addresses as DeviceWriter.ptr gives them, patched below: simulated
+    arrays have no __cuda_array_interface__); fail=N: the Nth call returns an error."""
+    class CUresult(enum.Enum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+
+    def __init__(self, fail=None):
+        self.calls, self.fail = 0, fail
+
+    def _status(self):
+        self.calls += 1
+        ok = self.calls != self.fail
+        return self.CUresult.CUDA_SUCCESS if ok else self.CUresult.CUDA_ERROR_INVALID_VALUE
+
+    def cuMemcpyHtoDAsync(self, dst, src, n, stream):
+        err = self._status()
+        if err is self.CUresult.CUDA_SUCCESS:
+            ctypes.memmove(dst, src, n)
+        return (err,)
+
+    def cuMemsetD32Async(self, dst, v, n, stream):
+        err = self._status()
+        if err is self.CUresult.CUDA_SUCCESS:
+            (ctypes.c_uint32 * n).from_address(dst)[:] = [v] * n
+        return (err,)
+
+
+class PoolHost(Host):
+    """A host tier whose blocks are rows of one buffer, their addresses known (buffer_addresses,
+    as the RAM cache's pinned pool gives them), except the experts in loose: fresh arrays."""
+    def __init__(self, loose=()):
+        super().__init__(in_ram=set())
+        self.rows = np.zeros((8, 2 * B), np.uint8)   # (longer than a block, as the pool's)
+        self.views = [self.rows[i] for i in range(8)]
+        self.loose = set(loose)
+
+    def buffer_addresses(self):
+        return [(v, self.rows.ctypes.data + i * self.rows.shape[1]) for i, v in enumerate(self.views)]
+
+    def get_many(self, layer, experts):
+        super().get_many(layer, experts)
+        out = []
+        for i, e in enumerate(experts):
+            if (layer, e) in self.loose:
+                out.append(BLOCKS[(layer, e)].copy())
+            else:
+                self.views[i][:B] = BLOCKS[(layer, e)]
+                out.append(self.views[i])
+        return out
+
+
+def driver_path(xs, cs):
+    """The copies and table writes as they go to the CUDA driver (not the simulator's copies):
+    the blocks land in their slots, from the host tier's known buffers and from loose arrays,
+    the table stays equal to slot_of entry by entry and batched, the slots / flag writes at
+    kept addresses land, and a failed driver call is an error that names the copy."""
+    from engine.residency import DeviceWriter
+    ptr = DeviceWriter.ptr
+    DeviceWriter.ptr = staticmethod(lambda a: a.ctypes.data)
+    try:
+        drv = Driver()
+        r = VramResidency(5, B, PoolHost(loose={(1, 2), (2, 5)}), xs, cs, driver=drv)
+        table = cuda.to_device(np.zeros((3, 8), np.int32))
+        r.attach_table(table)
+        for layer, ids in [(0, [1, 2, 3]), (1, [2, 4]), (2, [5, 6, 7]), (0, [1, 7]), (1, [0, 1])]:
+            r.resolve(layer, ids, wait=False)
+            bank_matches(r)
+            table_matches(r, table)
+        n = drv.calls
+        with r.batched_table():
+            r.resolve(2, [0, 1, 2], wait=False)
+            r.resolve(0, [4], wait=False, protect={(2, 0), (2, 1), (2, 2)})
+        assert drv.calls == n + 4 + 1       # the four blocks, then one copy of the table
+        bank_matches(r)
+        table_matches(r, table)
+        w = DeviceWriter(xs, drv)
+        slots_d = cuda.to_device(np.zeros((3, 4), np.int32))
+        slots_h = np.arange(12, dtype=np.int32).reshape(3, 4)
+        row = 4 * 4 * 1
+        w.copy(DeviceWriter.ptr(slots_d) + row, slots_h.ctypes.data + row, 16)
+        flag = cuda.to_device(np.full(3, -1, np.int32))
+        w.set(flag, 1, 7, DeviceWriter.ptr(flag))
+        assert np.array_equal(slots_d.copy_to_host(), [[0] * 4, [4, 5, 6, 7], [0] * 4])
+        assert list(flag.copy_to_host()) == [-1, 7, -1]
+        r = VramResidency(2, B, PoolHost(), xs, cs, driver=Driver(fail=2))
+        try:
+            r.resolve(0, [1, 2])
+        except ResidencyError as e:
+            assert "into VRAM slot" in str(e) and "CUDA_ERROR_INVALID_VALUE" in str(e), e
+        else:
+            raise AssertionError("no error for a failed copy")
+    finally:
+        DeviceWriter.ptr = ptr
 
 
 def gather_and_uniform_routes(cs):
