@@ -256,12 +256,19 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          MOE_STREAM_TABLE_BATCH=1 LIMIT=${TEST_S:-200} run engine tests/test_gpu_engine.py \
              -k "streaming or stream or gathered" &
          wait
-         for b in 0 1 0 1; do
+         # the SM clock beside each run (sampled every 100 ms): the streamed token's "compute" is
+         # 3.6x the all-resident token's, and an SM clock that falls while the gates wait would
+         # explain it; the last run, all resident, for the clock it keeps
+         for b in 0 1 0 1 r; do
              [ $SECONDS -lt 500 ] || break
              echo "== table batch $b at ${SECONDS}s" >> "$OUT/bench.txt"
-             MOE_STREAM_TABLE_BATCH=$b timeout $((585 - SECONDS)) python3 -m engine.bench gpu-stream \
-                 --model /tmp/q30 --vram-gb 8 --ram-gb 32 --warm-ram --route uniform --tokens 64 \
+             nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw \
+                 --format=csv,noheader -lms 100 > "$OUT/clocks_t$b.csv" 2>&1 & smi=$!
+             if [ $b = r ]; then vram="--vram-gb 40"; else vram="--vram-gb 8 --ram-gb 32 --warm-ram"; fi
+             MOE_STREAM_TABLE_BATCH=${b/r/0} timeout $((585 - SECONDS)) python3 -m engine.bench gpu-stream \
+                 --model /tmp/q30 $vram --route uniform --tokens 64 \
                  --prompt-len 128 --out "$OUT/uniform_t$b.json" 2>&1 | grep -v -i warn | tail -5 >> "$OUT/bench.txt"
+             kill $smi 2>/dev/null
          done ;;
     s31) # where the streamed token's time goes (2026-12-07, not yet run): an Nsight Systems
          # timeline of Qwen3-30B-A3B at --vram-gb 8 --ram-gb 32 (warm), uniform routing, 24 tokens:
