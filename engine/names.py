@@ -257,6 +257,25 @@ _KIMI_LINEAR = {
         ("kda_g_b", "g_b_proj.weight"), ("kda_norm", "o_norm.weight"))},
 }
 
+# LFM2-MoE (LFM2-8B-A1B): the norms operator_norm / ffn_norm a layer and embedding_norm last;
+# attention's out_proj and q / k norms (q_layernorm / k_layernorm); the gated short conv's in_proj
+# (B | C | x), depthwise conv and out_proj under conv.; the MLPs under feed_forward (w1 gate, w3
+# up, w2 down; the experts' the same under experts.{e}), the router gate with expert_bias beside it
+_LFM2_MOE = {
+    **_LLAMA_LIKE,
+    "final_norm": "model.embedding_norm.weight",
+    **{k: "model.layers.{l}." + v for k, v in (
+        ("attn_norm", "operator_norm.weight"), ("mlp_norm", "ffn_norm.weight"),
+        ("o", "self_attn.out_proj.weight"), ("q_norm", "self_attn.q_layernorm.weight"),
+        ("k_norm", "self_attn.k_layernorm.weight"),
+        ("conv_in", "conv.in_proj.weight"), ("conv_in_bias", "conv.in_proj.bias"), ("conv", "conv.conv.weight"),
+        ("conv_bias", "conv.conv.bias"), ("conv_out", "conv.out_proj.weight"), ("conv_out_bias", "conv.out_proj.bias"),
+        ("router", "feed_forward.gate.weight"), ("router_bias", "feed_forward.expert_bias"),
+        ("mlp_gate", "feed_forward.w1.weight"), ("mlp_up", "feed_forward.w3.weight"),
+        ("mlp_down", "feed_forward.w2.weight"), ("expert_gate", "feed_forward.experts.{e}.w1.weight"),
+        ("expert_up", "feed_forward.experts.{e}.w3.weight"), ("expert_down", "feed_forward.experts.{e}.w2.weight"))},
+}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -308,6 +327,7 @@ NAMES: dict[str, dict[str, str]] = {
     "granitemoe_swa": _GRANITEMOE,
     "granitemoehybrid": _GRANITEMOEHYBRID,
     "kimi_linear": _KIMI_LINEAR,
+    "lfm2_moe": _LFM2_MOE,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,
     "llama4": {k: "language_model." + v for k, v in _LLAMA4.items()},

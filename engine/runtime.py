@@ -697,12 +697,13 @@ class Engine:
         first.. first + n - 1: the K and V rows of every attention layer (up to a sliding
         window, or the index_topk rows a DSA layer picks, beside its indexer's float32 keys), the
         compressed entries DeepSeek-V4's layers read, and the float32 conv and recurrent state of
-        the DeltaNet (Mamba-2) layers."""
+        the DeltaNet (Mamba-2) layers, the conv state of LFM2's conv layers."""
         from engine.models.hybrid import HybridConfig
+        from engine.models.lfm2_moe import Lfm2MoeConfig
         from engine.models.nemotron_h import NemotronHConfig
         c = self.config
         pos = np.arange(first, first + max(n, 1)) + 1
-        if isinstance(c, (HybridConfig, NemotronHConfig)):   # DeltaNet or Mamba-2 beside attention
+        if isinstance(c, (HybridConfig, NemotronHConfig, Lfm2MoeConfig)):   # DeltaNet, Mamba-2, a conv + attention
             windows = (0,) * len(c.full_layers)
             fixed = 4 * len(c.linear_layers) * ((c.conv_kernel - 1) * c.conv_dim + int(np.prod(c.ssm_shape)))
         elif getattr(c, "index_topk", 0):   # DSA: index_topk picked rows; the indexer reads

@@ -16,6 +16,7 @@ from numba import njit, prange
 from kernels_numba import reference
 from kernels_numba.cpu_deltanet import DeltaNetOps
 from kernels_numba.cpu_mamba import MambaOps
+from kernels_numba.cpu_shortconv import ShortConvOps
 
 # ---- number formats --------------------------------------------------------------------------
 
@@ -654,6 +655,7 @@ class CpuOps:
     name = "cpu"
     deltanet = DeltaNetOps()    # the hybrid families' ops (Gated DeltaNet, gated norms and outputs)
     mamba = MambaOps()          # Nemotron-H's Mamba-2 mixer (conv with bias, selective scan, group norm)
+    shortconv = ShortConvOps()  # LFM2's gated short conv (B * x through a causal conv, times C)
 
     def weight(self, a: np.ndarray) -> np.ndarray:
         """A dense weight as the backend keeps it: float32, or bf16 bits for matrices. A vector

@@ -423,6 +423,21 @@ def rmsnorm_group_gated(x: np.ndarray, z: np.ndarray, w: np.ndarray, group: int,
     return (w.astype(np.float64) * g.reshape(y.shape)).astype(np.float32)
 
 
+def gated_short_conv(bcx: np.ndarray, w: np.ndarray, bias: np.ndarray | None,
+                     state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """LFM2's gated short conv (H channels): bcx [T, 3H] = B | C | x; w [H, Kc]; bias [H] or None;
+    state [Kc-1, H] (previous conv inputs, oldest first) -> (C * (causal depthwise conv of B * x,
+    plus bias) [T, H], new state [Kc-1, H]: the last Kc-1 conv inputs)."""
+    h, kc = w.shape
+    b, c, x = (bcx[:, i * h:(i + 1) * h].astype(np.float64) for i in range(3))
+    u = np.concatenate([state.astype(np.float64), b * x])         # [Kc-1+T, H]
+    t = bcx.shape[0]
+    conv = np.stack([(u[i:i + kc] * w.T.astype(np.float64)).sum(0) for i in range(t)])
+    if bias is not None:
+        conv = conv + bias.astype(np.float64)
+    return (c * conv).astype(np.float32), u[t:].astype(np.float32)
+
+
 def deltanet_gates(b: np.ndarray, a: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray):
     """b [T, Nv]; a [T, N]; A_log, dt_bias [N] -> (beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)).
     N = Nv (Gated DeltaNet), or Nv Dk (KDA: A_log repeated over each head's Dk channels)."""

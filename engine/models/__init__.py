@@ -20,6 +20,7 @@ from engine.models import granitemoe
 from engine.models import nemotron_h
 from engine.models import kimi_linear
 from engine.models import granitemoehybrid
+from engine.models import lfm2_moe
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -67,6 +68,7 @@ FAMILIES = {
     "nemotron_h": nemotron_h,            # Nemotron-3 Nano / Super: Mamba-2 + attention + relu^2 MoE (CPU backend)
     "kimi_linear": kimi_linear,          # Kimi-Linear: KDA + MLA without RoPE, DeepSeek-V3's MoE (CPU backend)
     "granitemoehybrid": granitemoehybrid,  # Granite 4.0 H: Mamba-2 + attention, Granite MoE's MLP (CPU backend)
+    "lfm2_moe": lfm2_moe,                # LFM2-8B-A1B: gated short convs + attention, sigmoid routing (CPU backend)
 }
 
 # model types that are another family's architecture under their own name
