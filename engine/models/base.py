@@ -305,6 +305,15 @@ class MoeDecoder:
         self.q_cols = pair_rows(c, "q", np.arange(c.q_dim)) if c.rope_pairs else None
         self.k_cols = pair_rows(c, "k", np.arange(c.kv_dim)) if c.rope_pairs else None
 
+
+    def derive(self, derived: dict) -> None:
+        """Weights computed once at load, {(key, layer): array} (float32 layouts, absorbed
+        products), which self.w serves from now on ahead of the checkpoint's."""
+        self._derived, self._raw, self.w = derived, self.w, self._derived_or_raw
+
+    def _derived_or_raw(self, key: str, layer: int | None = None):
+        got = self._derived.get((key, layer))
+        return self._raw(key, layer) if got is None else got
     def new_state(self, max_context: int) -> RunState:
         return RunState(self.ops, self.c, max_context)
 

@@ -137,13 +137,7 @@ class DeepseekV3Decoder(MoeDecoder):
             kv_b = f32(weights("kv_b", l)).reshape(heads, nope + c.v_head_dim, cd)
             derived["w_uk", l] = np.ascontiguousarray(kv_b[:, :nope, :])                 # [Hq, nope, C]
             derived["w_uv_t", l] = np.ascontiguousarray(kv_b[:, nope:, :].transpose(0, 2, 1))  # [Hq, C, V]
-        self._derived = derived
-        self._raw = weights
-        self.w = self._weight
-
-    def _weight(self, key: str, layer: int | None = None):
-        got = self._derived.get((key, layer))
-        return self._raw(key, layer) if got is None else got
+        self.derive(derived)
 
     def new_state(self, max_context: int) -> MlaState:
         return MlaState(self.ops, self.c, max_context)

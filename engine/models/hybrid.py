@@ -221,13 +221,7 @@ class HybridDecoder(MoeDecoder):
                 derived["dn_neg_a", l] = -np.exp(self.dn.f32(weights("dn_A_log", l)))   # -exp(A_log)
                 derived["dn_dt_bias", l] = self.dn.f32(weights("dn_dt_bias", l))
                 derived["dn_norm", l] = self.dn.f32(weights("dn_norm", l))
-        self._derived = {k: ops.weight(v.astype(np.float32)) for k, v in derived.items()}
-        self._raw = weights
-        self.w = self._weight
-
-    def _weight(self, key: str, layer: int | None = None):
-        got = self._derived.get((key, layer))
-        return self._raw(key, layer) if got is None else got
+        self.derive({k: ops.weight(v.astype(np.float32)) for k, v in derived.items()})
 
     def new_state(self, max_context: int) -> HybridState:
         return HybridState(self.ops, self.c, max_context)

@@ -192,9 +192,7 @@ class KimiLinearDecoder(DeepseekV3Decoder):
                 [dn.f32(weights(k, l)).reshape(p, c.conv_kernel) for k in ("kda_q_conv", "kda_k_conv", "kda_v_conv")])
             derived["kda_neg_a", l] = np.repeat(-np.exp(dn.f32(weights("kda_A_log", l)).reshape(-1)), c.lin_k_dim)
             derived["kda_dt_bias", l] = dn.f32(weights("kda_dt_bias", l))
-        self._derived = {k: ops.weight(v.astype(np.float32)) for k, v in derived.items()}
-        self._raw = weights
-        self.w = self._weight
+        self.derive({k: ops.weight(v.astype(np.float32)) for k, v in derived.items()})
 
     def new_state(self, max_context: int) -> KimiState:
         return KimiState(self.ops, self.c, max_context)

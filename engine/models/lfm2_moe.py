@@ -144,13 +144,7 @@ class Lfm2MoeDecoder(MoeDecoder):
         for l in c.linear_layers:
             derived["conv", l] = f32(weights("conv", l)).reshape(c.hidden, c.conv_kernel)
             derived["conv_bias", l] = f32(weights("conv_bias", l)) if c.conv_bias else np.zeros(c.hidden, np.float32)
-        self._derived = {k: ops.weight(np.ascontiguousarray(v, np.float32)) for k, v in derived.items()}
-        self._raw = weights
-        self.w = self._weight
-
-    def _weight(self, key: str, layer: int | None = None):
-        got = self._derived.get((key, layer))
-        return self._raw(key, layer) if got is None else got
+        self.derive({k: ops.weight(np.ascontiguousarray(v, np.float32)) for k, v in derived.items()})
 
     def new_state(self, max_context: int) -> HybridState:
         return HybridState(self.ops, self.c, max_context)

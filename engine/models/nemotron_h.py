@@ -244,13 +244,7 @@ class NemotronHDecoder(MoeDecoder):
             derived["m_neg_a", l] = -np.exp(f32(weights("m_A_log", l)))
             for key in ("m_dt_bias", "m_D", "m_norm"):
                 derived[key, l] = f32(weights(key, l))
-        self._derived = {k: ops.weight(np.ascontiguousarray(v, np.float32)) for k, v in derived.items()}
-        self._raw = weights
-        self.w = self._weight
-
-    def _weight(self, key: str, layer: int | None = None):
-        got = self._derived.get((key, layer))
-        return self._raw(key, layer) if got is None else got
+        self.derive({k: ops.weight(np.ascontiguousarray(v, np.float32)) for k, v in derived.items()})
 
     def new_state(self, max_context: int) -> HybridState:
         return HybridState(self.ops, self.c, max_context)
