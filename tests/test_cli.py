@@ -2,10 +2,37 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from conftest import build_hf_model, hf_greedy, hf_reference
+from engine import runtime
+from engine.models import FAMILIES
+
+CPU_ONLY = sorted(set(FAMILIES) - set(runtime.GPU_FAMILIES))
+
+
+@pytest.mark.parametrize("family", CPU_ONLY)
+def test_cpu_only_family_refused_on_cuda(family, capsys, monkeypatch):
+    """A family without a cuda decoder: --device cuda says so by name, auto runs it on the CPU
+    saying why, with a GPU that works."""
+    monkeypatch.setattr(runtime, "cuda_status", lambda: (True, ""))
+    with pytest.raises(RuntimeError, match=f"--device cuda: the cuda backend does not run {family} yet"):
+        runtime.pick_device("cuda", family)
+    assert runtime.pick_device("auto", family) == "cpu"
+    assert f"device auto: using cpu (the cuda backend does not run {family} yet)" in capsys.readouterr().err
+
+
+def test_readme_names_the_cpu_only_families():
+    """The README's sentence on the backends names exactly the families without a cuda decoder."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("Every family but"))
+    named = re.findall(r"`([a-z0-9_]+)`", line.split("runs on both backends")[0])
+    assert sorted(named) == CPU_ONLY
 
 
 def test_cli_json_greedy_matches_transformers(tmp_path):

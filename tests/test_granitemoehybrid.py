@@ -97,16 +97,6 @@ def test_packed_bf16(tmp_path, over):
     assert rel_err(engine.load(tmp_path / "p", device="cpu").logits(ids), want) < 1e-5
 
 
-def test_cuda_refused_auto_picks_cpu(capsys, monkeypatch):
-    """No cuda decoder yet: --device cuda says so, auto runs on the CPU saying why."""
-    from engine import runtime
-    monkeypatch.setattr(runtime, "cuda_status", lambda: (True, ""))
-    with pytest.raises(RuntimeError, match="--device cuda: the cuda backend does not run granitemoehybrid yet"):
-        runtime.pick_device("cuda", "granitemoehybrid")
-    assert runtime.pick_device("auto", "granitemoehybrid") == "cpu"
-    assert "does not run granitemoehybrid" in capsys.readouterr().err
-
-
 def test_config_read_and_refused():
     cfg = {"model_type": "granitemoehybrid", **TINY, "num_hidden_layers": 4,
            "layer_types": ["mamba", "attention", "mamba", "mamba"], "position_embedding_type": "nope",

@@ -112,24 +112,10 @@ def test_packed_bf16(tmp_path, over):
 def test_state_bytes_per_token(tmp_path):
     """The sequence state a decode token reads: K and V rows of the attention layers only, the
     conv layers' conv state whole (engine.bench's bound counts it)."""
-    from test_state_bytes import state_arrays_bytes
+    from test_state_bytes import check_state_bytes
     build(tmp_path, **CASES[0])
     m = engine.load(tmp_path, device="cpu")
-    s = int(np.random.default_rng().integers(9, 40))
-    kv, other = state_arrays_bytes(m.model.new_state(s))
-    assert kv == 2 * 4 * s * 2 * 8 * 2 and other == 4 * 4 * 2 * 32   # 2 attention, 4 conv layers of 2 x 32
-    assert m.state_bytes_per_token(s - 1, 1) == pytest.approx(kv + other)
-    assert m.state_bytes_per_token(0, s) == pytest.approx(kv / s * (s + 1) / 2 + other)
-
-
-def test_cuda_refused_auto_picks_cpu(capsys, monkeypatch):
-    """No cuda decoder yet: --device cuda says so, auto runs on the CPU saying why."""
-    from engine import runtime
-    monkeypatch.setattr(runtime, "cuda_status", lambda: (True, ""))
-    with pytest.raises(RuntimeError, match="--device cuda: the cuda backend does not run lfm2_moe yet"):
-        runtime.pick_device("cuda", "lfm2_moe")
-    assert runtime.pick_device("auto", "lfm2_moe") == "cpu"
-    assert "does not run lfm2_moe" in capsys.readouterr().err
+    check_state_bytes(m, 2 * 4 * 2 * 8 * 2, 4 * 4 * 2 * 32)   # 2 attention, 4 conv layers of 2 x 32
 
 
 # ---- config.json ---------------------------------------------------------------------------

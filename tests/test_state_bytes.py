@@ -17,6 +17,16 @@ def state_arrays_bytes(st) -> tuple[int, int]:
     return kv, other
 
 
+def check_state_bytes(m, kv_row: int, other: int) -> None:
+    """A hybrid's run state holds kv_row bytes of K and V a position (its attention layers)
+    and `other` bytes of state whole (conv, scan), and state_bytes_per_token reads them: every
+    row at the last position, the mean over a run from position 0 (engine.bench's bound)."""
+    s = int(np.random.default_rng().integers(9, 40))
+    assert state_arrays_bytes(m.model.new_state(s)) == (kv_row * s, other)
+    assert m.state_bytes_per_token(s - 1, 1) == pytest.approx(kv_row * s + other)
+    assert m.state_bytes_per_token(0, s) == pytest.approx(kv_row * (s + 1) / 2 + other)
+
+
 @pytest.mark.parametrize("family,window", [("qwen3_moe", 0), ("mixtral", 5), ("hybrid", 0)])
 def test_state_bytes_per_token_matches_the_run_state(tmp_path, family, window):
     if family == "hybrid":
