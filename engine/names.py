@@ -282,6 +282,7 @@ NAMES: dict[str, dict[str, str]] = {
     "deepseek_v3": _DEEPSEEK_V3,
     "deepseek_v2": _DEEPSEEK_V3,
     "glm4_moe_lite": _DEEPSEEK_V3,
+    "mistral4": _DEEPSEEK_V3,   # Mistral Small 4: no selection bias (softmax routing)
     "qwen3_next": _HYBRID,
     "gpt_oss": _GPT_OSS,
     "qwen3_5_moe_text": _HYBRID,
