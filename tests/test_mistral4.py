@@ -127,8 +127,10 @@ def test_config_read_and_refused():
     assert not any("e_score_correction_bias" in n for n in fam.dense_spec)
     assert fam.dense_spec["model.layers.0.self_attn.q_b_proj.weight"] == (32 * 128, 1024)
     c = family_of({**RELEASE, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
-                   "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": None}).config
+                   "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": None,
+                   "first_k_dense_replace": None}).config
     assert (c.query_scale_beta, c.rope.kind, c.rope.rotary_dim, c.q_lora_rank) == (0.0, "linear", 64, 0)
+    assert c.moe_layers == tuple(range(36))
     linear = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
     refused = [
         (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported; mistral4 runs silu"),

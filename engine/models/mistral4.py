@@ -25,9 +25,10 @@ from engine.models.base import need
 from engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3Decoder, dense_spec, expert_spec  # noqa: F401
 from engine.models.rope import ConfigError, declared_partial, rope_params
 
-# transformers' Mistral4Config defaults of the fields deepseek_v3 defaults otherwise
-DEFAULTS = dict(first_k_dense_replace=0, q_lora_rank=1024, n_shared_experts=1, norm_topk_prob=True,
-                routed_scaling_factor=1.0, rms_norm_eps=1e-6)
+# transformers' Mistral4Config defaults of the fields deepseek_v3 defaults otherwise (q_lora_rank
+# where absent: null is q_proj's)
+DEFAULTS = dict(first_k_dense_replace=0, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                rms_norm_eps=1e-6)
 
 
 def default_rope(cfg: dict) -> dict:
@@ -45,8 +46,9 @@ class Mistral4Config(DeepseekV3Config):
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported; mistral4 runs silu")
         for key, v in DEFAULTS.items():
-            if key not in cfg:
+            if cfg.get(key) is None:
                 cfg[key] = v
+        cfg.setdefault("q_lora_rank", 1024)
         params = rope_params(cfg) or default_rope(cfg)
         if (params.get("rope_type") or params.get("type") or "default") == "default":
             raise ConfigError("config.json: rope type default is not supported for mistral4: the reference's "
