@@ -188,6 +188,8 @@ class GpuMlaDecoder(GpuDecoder):
                  c.rope.attention_factor, q_lat, st.k[l], cs)
         kv_b = w("kv_b", l)
         gml.absorb_q(qr, kv_b, q_lat, cs)
+        if c.query_scale_beta:   # Mistral 4: the queries by position
+            gm.query_temperature(q_lat, pos, c.query_scale_period, c.query_scale_beta, cs, shift=0.0)
         lat = b.lat[:t]
         gml.attention(q_lat, st.k[l], pos, c.softmax_scale, lat, _partials(b.partials, t, hq), cs)
         ov = b.ov[:t]
@@ -197,10 +199,11 @@ class GpuMlaDecoder(GpuDecoder):
             gm.add_rows(x, w("o_bias", l), cs)
 
     def _topk(self, l, rl, ids, w, slots=None):
-        """V3: the base decoder's sigmoid routing. V2: the softmax probabilities times
-        routed_scaling_factor (not renormed), from the topk_group groups whose best is highest."""
+        """V3 (and Mistral 4's softmax_grouped): the base decoder's routing. V2: the softmax
+        probabilities times routed_scaling_factor (not renormed), from the topk_group groups whose
+        best is highest."""
         c = self.c
-        if c.routing == "sigmoid":
+        if c.routing != "softmax":
             super()._topk(l, rl, ids, w, slots)
             return
         # greedy is the one-group case (the config sets n_group = topk_group = 1)

@@ -171,6 +171,16 @@ _HUNYUAN = {**_LLAMA_LIKE,
             "shared_up": "model.layers.{l}.mlp.shared_mlp.up_proj.weight",
             "shared_down": "model.layers.{l}.mlp.shared_mlp.down_proj.weight"}
 
+# Hy3-preview as released (and as transformers saves it): Qwen3's attention names, the router
+# under mlp.router.gate, its selection bias mlp.expert_bias, the shared expert shared_mlp
+# (transformers' own names read as these: loader/checkpoint.py RENAMED)
+_HY_V3 = {**_LLAMA_LIKE,
+          "router": "model.layers.{l}.mlp.router.gate.weight",
+          "router_bias": "model.layers.{l}.mlp.expert_bias",
+          "shared_gate": "model.layers.{l}.mlp.shared_mlp.gate_proj.weight",
+          "shared_up": "model.layers.{l}.mlp.shared_mlp.up_proj.weight",
+          "shared_down": "model.layers.{l}.mlp.shared_mlp.down_proj.weight"}
+
 # Granite MoE: the MoE under block_sparse_moe, the router's weight and the fused experts as
 # transformers names them (loader/checkpoint.py renames the releases' input_linear /
 # output_linear / router.layer), the shared expert's gate and up rows split from
@@ -291,6 +301,7 @@ NAMES: dict[str, dict[str, str]] = {
     "deepseek_v3": _DEEPSEEK_V3,
     "deepseek_v2": _DEEPSEEK_V3,
     "glm4_moe_lite": _DEEPSEEK_V3,
+    "mistral4": _DEEPSEEK_V3,   # Mistral Small 4: no selection bias (softmax routing)
     "qwen3_next": _HYBRID,
     "gpt_oss": _GPT_OSS,
     "qwen3_5_moe_text": _HYBRID,
@@ -322,6 +333,7 @@ NAMES: dict[str, dict[str, str]] = {
     "phimoe": _PHIMOE,
     "dbrx": _DBRX,
     "hunyuan_v1_moe": _HUNYUAN,
+    "hy_v3": _HY_V3,
     "granitemoe": _GRANITEMOE,
     "granitemoeshared": _GRANITEMOE,
     "granitemoe_swa": _GRANITEMOE,

@@ -222,7 +222,7 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "granitemoe", "granitemoeshared", "granitemoe_swa",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
                 "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe", "ernie4_5_vl_moe",
-                "minicpm5_moe", "flex_olmo", "phimoe", "dbrx")
+                "minicpm5_moe", "flex_olmo", "phimoe", "dbrx", "hy_v3", "mistral4")
 
 # model_type -> (module of engine, class): the llama-like families whose cuda decoder is their own
 # (the hybrid and MLA ones are chosen by their configs' kind); any other runs engine/gpu.py's

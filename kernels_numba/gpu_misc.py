@@ -68,23 +68,24 @@ def add_rows(x, b, stream):
 
 @pdl_kernel
 @cuda.jit
-def _query_temperature(q, pos, floor_scale, attn_scale):
+def _query_temperature(q, pos, floor_scale, attn_scale, shift):
     pdl_wait()
     pdl_trigger()
     i = cuda.grid(1)
     T, nh, D = q.shape
     if i < T * nh * D:
         t = i // (nh * D)
-        s = math.log1p(math.floor((float32(pos[t]) + float32(1.0)) / floor_scale)) * attn_scale + float32(1.0)
+        s = math.log1p(math.floor((float32(pos[t]) + shift) / floor_scale)) * attn_scale + float32(1.0)
         q[t, (i // D) % nh, i % D] *= float32(s)
 
 
-def query_temperature(q, pos, floor_scale, attn_scale, stream):
-    """q float32 [T, Hq, D] *= log1p(floor((pos[t] + 1) / floor_scale)) * attn_scale + 1 in
-    place (Llama 4's NoPE layers; pos int32 [T] on the device);
-    reference.query_temperature."""
+def query_temperature(q, pos, floor_scale, attn_scale, stream, shift=1.0):
+    """q float32 [T, Hq, D] *= log1p(floor((pos[t] + shift) / floor_scale)) * attn_scale + 1 in
+    place (pos int32 [T] on the device): Llama 4's NoPE layers (shift 1), Mistral 4's queries
+    (shift 0); reference.query_temperature."""
     n = q.shape[0] * q.shape[1] * q.shape[2]
-    _query_temperature[cdiv(n, THREADS), THREADS, stream](q, pos, float32(floor_scale), float32(attn_scale))
+    _query_temperature[cdiv(n, THREADS), THREADS, stream](q, pos, float32(floor_scale), float32(attn_scale),
+                                                          float32(shift))
 
 
 @pdl_kernel

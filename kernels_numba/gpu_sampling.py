@@ -248,14 +248,14 @@ def router_topk(logits, norm_topk_prob, ids, weights, stream, slots=None, varian
 
 def _make_router_sigmoid(SLOTS, SOFTMAX=False, BIAS=True):
     @cuda.jit(device=True, inline=True)
-    def body(logits, bias, n_group, topk_group, norm, scale, ids, weights, slot_of, slots):
+    def body(logits, bias, n_group, topk_group, pair, norm, scale, ids, weights, slot_of, slots):
         """grid T, 32 threads. Choice keys (sigmoid + bias) in shared memory; lanes < n_group
-        score their group (its two best keys), lane 0 keeps the topk_group best groups, the
-        rest are knocked out; then K rounds of lane scan + warp argmax as the softmax base
-        kernel, each pick weighted by its sigmoid score. SLOTS: slots[t, k] = slot_of[ids].
-        SOFTMAX (DeepSeek-V2's group_limited_greedy, ERNIE-4.5's routing): the scores are the
-        softmax probabilities, the keys they (plus the bias where BIAS: ERNIE), a group scores
-        its best key."""
+        score their group (its two best keys summed where pair, else its best), lane 0 keeps
+        the topk_group best groups, the rest are knocked out; then K rounds of lane scan + warp
+        argmax as the softmax base kernel, each pick weighted by its sigmoid score. SLOTS:
+        slots[t, k] = slot_of[ids]. SOFTMAX (DeepSeek-V2's group_limited_greedy, Mistral 4's
+        groups, ERNIE-4.5's routing): the scores are the softmax probabilities, the keys they
+        (plus the bias where BIAS: ERNIE)."""
         key = cuda.shared.array(ROUTER_MAX_E, float32)
         sig = cuda.shared.array(ROUTER_MAX_E, float32)
         gsum = cuda.shared.array(WARP, float32)
@@ -296,7 +296,7 @@ def _make_router_sigmoid(SLOTS, SOFTMAX=False, BIAS=True):
                         b1 = v
                     elif v > b2:
                         b2 = v
-                gsum[lane] = b1 + (b2 if per > 1 and not SOFTMAX else float32(0.0))
+                gsum[lane] = b1 + (b2 if per > 1 and pair != 0 else float32(0.0))
             cuda.syncthreads()
             if lane == 0:   # keep the best topk_group groups: red_i[g] = 1 (warp_argmax reuses
                 for g in range(n_group):   # red_i only after the barrier below)
@@ -332,19 +332,19 @@ def _make_router_sigmoid(SLOTS, SOFTMAX=False, BIAS=True):
     if SLOTS:
         @pdl_kernel
         @cuda.jit
-        def router_sigmoid_slots(logits, bias, n_group, topk_group, norm, scale, ids, weights,
+        def router_sigmoid_slots(logits, bias, n_group, topk_group, pair, norm, scale, ids, weights,
                                  slot_of, slots):
             pdl_wait()
             pdl_trigger()
-            body(logits, bias, n_group, topk_group, norm, scale, ids, weights, slot_of, slots)
+            body(logits, bias, n_group, topk_group, pair, norm, scale, ids, weights, slot_of, slots)
         return router_sigmoid_slots
 
     @pdl_kernel
     @cuda.jit
-    def router_sigmoid(logits, bias, n_group, topk_group, norm, scale, ids, weights):
+    def router_sigmoid(logits, bias, n_group, topk_group, pair, norm, scale, ids, weights):
         pdl_wait()
         pdl_trigger()
-        body(logits, bias, n_group, topk_group, norm, scale, ids, weights, ids[0], ids)
+        body(logits, bias, n_group, topk_group, pair, norm, scale, ids, weights, ids[0], ids)
     return router_sigmoid
 
 
@@ -354,12 +354,14 @@ _ROUTER_GROUPED = {(slots, sm, b): _make_router_sigmoid(slots, sm, b) for slots 
 
 
 def router_sigmoid_topk(logits, bias, n_group, topk_group, norm_topk_prob, scale, ids, weights,
-                        stream, slots=None, softmax=False):
+                        stream, slots=None, softmax=False, pair_groups=None):
     """DeepSeek-V3 / GLM-4.5 routing (reference.router_sigmoid_topk): logits float32 [T, E],
     bias float32 [E] -> ids int32 [T, K], weights float32 [T, K]; slots as router_topk.
     softmax: softmax scores instead: DeepSeek-V2's group-limited softmax with bias None
     (reference.router_group_softmax_topk), ERNIE-4.5's routing with a bias and one group
-    (reference.router_softmax_bias_topk)."""
+    (reference.router_softmax_bias_topk), Mistral 4's groups (reference.router_sigmoid_topk's
+    softmax form). pair_groups: a group scores its two best keys summed (DeepSeek-V3, Mistral 4)
+    or its best alone (DeepSeek-V2); None: the former for sigmoid scores, the latter for softmax."""
     t, e = logits.shape
     variant = (bool(softmax), bias is not None)
     if bias is None:
@@ -375,7 +377,8 @@ def router_sigmoid_topk(logits, bias, n_group, topk_group, norm_topk_prob, scale
             or bias.shape != (e,)):
         raise ValueError(f"router_sigmoid_topk: ids {ids.shape}, weights {weights.shape}, bias "
                          f"{bias.shape} for logits {logits.shape} (top-k within the kept groups)")
-    args = (logits, bias, int32(n_group), int32(topk_group), int32(1 if norm_topk_prob else 0),
+    pair = (not softmax) if pair_groups is None else bool(pair_groups)
+    args = (logits, bias, int32(n_group), int32(topk_group), int32(pair), int32(1 if norm_topk_prob else 0),
             float32(scale), ids, weights)
     if slots is None:
         _ROUTER_GROUPED[(False,) + variant][t, WARP, stream](*args)

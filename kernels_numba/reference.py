@@ -79,10 +79,11 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x64 * r * w.astype(np.float64)).astype(np.float32)
 
 
-def query_temperature(q: np.ndarray, pos: np.ndarray, floor_scale: float, attn_scale: float) -> np.ndarray:
-    """Llama 4's NoPE-layer queries: q [T, Hq, D] * (log1p(floor((pos + 1) / floor_scale)) *
-    attn_scale + 1), a scale a position."""
-    s = np.log1p(np.floor((pos.astype(np.float64) + 1.0) / floor_scale)) * attn_scale + 1.0
+def query_temperature(q: np.ndarray, pos: np.ndarray, floor_scale: float, attn_scale: float,
+                      shift: float = 1.0) -> np.ndarray:
+    """q [T, Hq, D] * (log1p(floor((pos + shift) / floor_scale)) * attn_scale + 1), a scale a
+    position: Llama 4's NoPE-layer queries (shift 1), Mistral 4's (shift 0)."""
+    s = np.log1p(np.floor((pos.astype(np.float64) + shift) / floor_scale)) * attn_scale + 1.0
     return (q.astype(np.float64) * s[:, None, None]).astype(np.float32)
 
 
@@ -216,15 +217,21 @@ def router_sparsemixer(logits: np.ndarray, eps: float) -> tuple[np.ndarray, np.n
 
 def router_sigmoid_topk(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int,
                         topk_group: int, norm_topk_prob: bool,
-                        scale: float) -> tuple[np.ndarray, np.ndarray]:
+                        scale: float, softmax: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """DeepSeek-V3 / GLM-4.5 routing: logits [T, E] -> (ids int32 [T, K], weights float32 [T, K]).
 
     scores = sigmoid(logits); experts are chosen on scores + bias (larger first, lower index
     first on ties) within the topk_group of n_group equal groups whose two best choice scores
     sum highest; the weights are the chosen experts' scores without the bias, renormalized
-    (sum + 1e-20) when norm_topk_prob, times scale.
+    (sum + 1e-20) when norm_topk_prob, times scale. softmax: the scores are softmax(logits)
+    (Mistral 4's routing, with a zero bias).
     """
-    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    x = logits.astype(np.float64)
+    if softmax:
+        s = np.exp(x - x.max(axis=-1, keepdims=True))
+        s /= s.sum(axis=-1, keepdims=True)
+    else:
+        s = 1.0 / (1.0 + np.exp(-x))
     c = s + bias.astype(np.float64)
     t, e = c.shape
     per = e // n_group

@@ -37,14 +37,20 @@ NVFP4_GROUP = 16                          # NVFP4 values a block scale covers
 TRANSPOSED_FUSED = ("gpt_oss",)           # model types whose fused experts are [E, K, N]
 FLAT_FUSED = ("dbrx",)                    # model types whose fused experts are [E I, H] a projection
 # tensors a family's releases name otherwise than transformers does after loading them (its
-# conversion_mapping's renames): (model types, the released name, transformers'); read under
-# transformers' name, so a release and a folder transformers saved with save_original_format=False
-# load alike
+# conversion_mapping's renames): (model types, a pattern of one naming, the other's as a match
+# template), so a release and a folder transformers saved with save_original_format=False load
+# alike. Granite MoE: the released names read under transformers' (engine/names.py has those);
+# Hy3-preview: transformers' read under the released ones (save_pretrained's default writes those)
 RENAMED = tuple((("granitemoe", "granitemoeshared", "granitemoehybrid"),
-                 re.compile(rf"^(?P<p>.*\.block_sparse_moe)\.{old}$"), new)
+                 re.compile(rf"^(?P<p>.*\.block_sparse_moe)\.{old}$"), rf"\g<p>.{new}")
                 for old, new in ((r"input_linear\.weight", "experts.gate_up_proj"),
                                  (r"output_linear\.weight", "experts.down_proj"),
-                                 (r"router\.layer\.weight", "router.weight")))
+                                 (r"router\.layer\.weight", "router.weight"))) + \
+    tuple((("hy_v3",), re.compile(rf"^(?P<p>.*\.mlp)\.{old}$"), rf"\g<p>.{new}")
+          for old, new in ((r"gate\.weight", "router.gate.weight"),
+                           (r"e_score_correction_bias", "expert_bias"),
+                           (r"shared_experts\.(?P<w>gate_proj|up_proj|down_proj)\.weight",
+                            r"shared_mlp.\g<w>.weight")))
 # where AutoGPTQ and AutoAWQ wrote their settings before config.json's quantization_config
 SIDE_QUANT_CONFIGS = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
 
@@ -179,14 +185,14 @@ class Checkpoint:
             self._split_fused_experts()
 
     def _rename(self) -> None:
-        """The released names of RENAMED read under transformers' (the same bytes)."""
+        """The names RENAMED matches read under the names it makes of them (the same bytes)."""
         rules = [(pat, new) for types, pat, new in RENAMED if self.config.get("model_type") in types]
         for name, t in list(self.tensors.items()):
             for pat, to in rules:
                 m = pat.match(name)
                 if m is not None:
                     del self.tensors[name]
-                    to = f"{m['p']}.{to}"
+                    to = m.expand(to)
                     self.tensors[to] = TensorInfo(to, t.file, t.dtype, t.shape, t.start, t.nbytes)
                     break
 

@@ -191,6 +191,24 @@ def test_router_softmax_bias_topk(e, k, norm):
     assert not np.array_equal(rid, plain)   # the bias moved some pick
 
 
+@pytest.mark.parametrize("e,k,groups,top_groups,norm,scale", [
+    (16, 3, 4, 2, True, 1.0), (12, 4, 3, 2, False, 2.0), (32, 4, 8, 3, True, 1.5)])
+def test_router_softmax_groups(e, k, groups, top_groups, norm, scale):
+    """Mistral 4's routing (softmax scores, no bias, DeepSeek-V3's groups: the two best summed):
+    the kernel's softmax form with a zero bias against the oracle's; the groups change picks."""
+    logits = rng.standard_normal((9, e)).astype(np.float32) * 2
+    zero = np.zeros(e, np.float32)
+    ids = np.full((9, k), -1, np.int32)
+    w = poisoned((9, k))
+    cpu.router_sigmoid_topk(logits, zero, k, groups, top_groups, norm, scale, ids, w, True)
+    rid, rw = ref.router_sigmoid_topk(logits, zero, k, groups, top_groups, norm, scale, softmax=True)
+    assert np.array_equal(ids, rid)
+    assert rel(w, rw) < 1e-5
+    assert all(len(set(row // (e // groups))) <= top_groups for row in ids)
+    free, _ = ref.router_sigmoid_topk(logits, zero, k, 1, 1, norm, scale, softmax=True)
+    assert not np.array_equal(rid, free)   # some token's best experts lay outside its groups
+
+
 def test_weight_vectors_widened():
     """bf16 bits: vectors (1-D or one row, [1, N]) become float32 of the same values; matrices
     ([N, 1] included) stay bits for the bf16 kernels."""

@@ -124,7 +124,8 @@ DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "minicpm5_moe": "GpuMinicpmDecoder",   # tests/test_minicpm5.py
             "flex_olmo": "GpuFlexOlmoDecoder",     # tests/test_flex_olmo.py
             "phimoe": "GpuPhimoeDecoder",          # tests/test_phimoe.py
-            "dbrx": "GpuDbrxDecoder"}              # tests/test_dbrx.py
+            "dbrx": "GpuDbrxDecoder",              # tests/test_dbrx.py
+            "mistral4": "GpuMlaDecoder"}           # tests/test_mistral4.py
 
 
 @pytest.mark.parametrize("family", sorted(SIM_CASES))

@@ -149,6 +149,45 @@ def check_router_group_softmax(rng, t, e, k, n_group, topk_group):
     assert all(len(set(row // (e // n_group))) <= topk_group for row in ih), "picks outside the kept groups"
 
 
+def check_router_softmax_pairs(rng, t, e, k, n_group, topk_group):
+    """Mistral 4's routing (gs.router_sigmoid_topk softmax=True, no bias, pair_groups: a group
+    scores its two best) against the oracle (reference.router_sigmoid_topk's softmax form with a
+    zero bias), renormalized or not; the slot table path the same."""
+    from kernels_numba import gpu_sampling as gs
+    stream = cuda.stream()
+    logits = (rng.standard_normal((t, e)) * 2).astype(np.float32)
+    slot_of = rng.permutation(e).astype(np.int32)
+    dl = cuda.to_device(logits)
+    for norm, scale in ((True, 1.5), (False, 1.0)):
+        what = f"softmax pairs T={t} E={e} K={k} groups={topk_group}/{n_group} norm={norm}"
+        eids, ew = ref.router_sigmoid_topk(logits, np.zeros(e), k, n_group, topk_group, norm, scale, softmax=True)
+        ids, w = cuda.to_device(np.full((t, k), -1, np.int32)), cuda.to_device(np.full((t, k), np.nan, np.float32))
+        gs.router_sigmoid_topk(dl, None, n_group, topk_group, norm, scale, ids, w, stream, softmax=True,
+                               pair_groups=True)
+        ids2, w2 = cuda.to_device(np.full((t, k), -1, np.int32)), cuda.to_device(np.full((t, k), np.nan, np.float32))
+        sl = cuda.to_device(np.full((t, k), -1, np.int32))
+        gs.router_sigmoid_topk(dl, None, n_group, topk_group, norm, scale, ids2, w2, stream,
+                               slots=(cuda.to_device(slot_of), sl), softmax=True, pair_groups=True)
+        stream.synchronize()
+        ih = ids.copy_to_host()
+        assert np.array_equal(ih, eids), f"{what}: ids {ih} != {eids}"
+        _close(w.copy_to_host(), ew, 1e-5, what + " weights")
+        assert np.array_equal(ids2.copy_to_host(), ih) and np.array_equal(w2.copy_to_host(), w.copy_to_host())
+        assert np.array_equal(sl.copy_to_host(), slot_of[ih]), what + ": slots"
+
+
+def check_query_scale(rng, t, nh, d, period, beta):
+    """Mistral 4's queries by position (gm.query_temperature, shift 0) against the oracle, over
+    positions across several periods."""
+    from kernels_numba import gpu_misc as gm
+    q = rng.standard_normal((t, nh, d)).astype(np.float32)
+    pos = np.sort(rng.choice(8 * period, size=t, replace=False)).astype(np.int32)
+    dq = cuda.to_device(q)
+    gm.query_temperature(dq, cuda.to_device(pos), period, beta, cuda.stream(), shift=0.0)
+    cuda.synchronize()
+    _close(dq.copy_to_host(), ref.query_temperature(q, pos, period, beta, shift=0.0), 1e-6, "query scale")
+
+
 def check_fused_rows(rng) -> None:
     """q_a | kv_a (and q | k | v) stacked for one launch; blocks that disagree in dtype or row
     width are refused in one line naming the layer and both tensors."""
@@ -169,6 +208,8 @@ def run_sim_checks() -> None:
     # staged kernel's KS: 2)
     check_attention(rng, hq=3, c_dim=12, r=4, s_max=11, split=2, t_prefill=3, gh=2)
     check_router_group_softmax(rng, t=24, e=40, k=4, n_group=8, topk_group=3)   # two a lane
+    check_router_softmax_pairs(rng, t=24, e=40, k=4, n_group=8, topk_group=3)
+    check_query_scale(rng, t=6, nh=3, d=12, period=4, beta=0.1)
     check_fused_rows(rng)
     print("SIM MLA CHECKS PASSED", flush=True)
 
@@ -193,6 +234,9 @@ def test_mla_kernels_gpu(hq, nope, v_dim):
     check_absorb(rng, t=7, hq=hq, nope=nope, v_dim=v_dim, c_dim=512, r=64)
     check_attention(rng, hq=hq, c_dim=512, r=64, s_max=4096, split=32, t_prefill=37, gh=8)
     check_router_group_softmax(rng, t=5, e=160, k=6, n_group=8, topk_group=3)   # DeepSeek-V2's
+    check_router_softmax_pairs(rng, t=5, e=128, k=4, n_group=1, topk_group=1)   # Mistral Small 4's
+    check_router_softmax_pairs(rng, t=5, e=128, k=4, n_group=8, topk_group=3)
+    check_query_scale(rng, t=7, nh=hq, d=576, period=8192, beta=0.1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from engine.models import nemotron_h
 from engine.models import kimi_linear
 from engine.models import granitemoehybrid
 from engine.models import lfm2_moe
+from engine.models import hy_v3
+from engine.models import mistral4
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -53,6 +55,8 @@ FAMILIES = {
     "llama4_text": llama4,               # a text-only Llama 4 folder
     "solar_open": solar_open,            # Solar-Open-100B: DeepSeek-V3's MoE beside llama attention
     "hunyuan_v1_moe": hunyuan_v1_moe,    # Hunyuan-A13B: q / k norms after RoPE
+    "hy_v3": hy_v3,                      # Hy3-preview: Qwen3's attention, DeepSeek-V3's routing without groups
+    "mistral4": mistral4,                # Mistral Small 4: DeepSeek-V3's MLA, softmax routing in groups
     "granitemoe": granitemoe,            # Granite MoE: muP multipliers on the embeddings, scores, branches, logits
     "granitemoeshared": granitemoe,      # Granite MoE with a shared expert
     "granitemoe_swa": granitemoe,        # Granite MoE with sliding-window layers and attention sinks

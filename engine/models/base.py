@@ -93,7 +93,8 @@ class MoeConfig:
                                     #   scale each expert's input, not its output)
                                     #   | sigmoid (DeepSeek-V3 / GLM-4.5: sigmoid scores,
     n_group: int = 1                #   a selection bias, the best topk_group of n_group groups,
-    topk_group: int = 1             #   weights times routed_scale)
+    topk_group: int = 1             #   weights times routed_scale) | softmax_grouped (Mistral 4:
+                                    #   sigmoid's with softmax scores and no bias)
     routed_scale: float = 1.0
     shared_intermediate: int = 0    # I of the shared expert(s) beside the routed ones (0 = none)
     shared_gated: bool = False      # its output times sigmoid(h . shared_expert_gate)
@@ -457,6 +458,9 @@ class MoeDecoder:
             ids = np.argsort(-logits, axis=-1, kind="stable")[:, :c.top_k].astype(np.int32)
             z = np.take_along_axis(np.asarray(logits, np.float32), ids, -1)
             return ids, (np.float32(1) / (np.float32(1) + np.exp(-z))).astype(np.float32)
+        if c.routing == "softmax_grouped":   # Mistral 4: softmax scores in groups, no bias
+            return ops.router_sigmoid(logits, np.zeros(c.n_experts, np.float32), c.top_k, c.n_group,
+                                      c.topk_group, c.norm_topk_prob, c.routed_scale, softmax=True)
         if c.routing == "softmax_bias":   # ERNIE-4.5: softmax scores chosen with a bias
             return ops.router_sigmoid(logits, w("router_bias", l), c.top_k, 1, 1,
                                       c.norm_topk_prob, 1.0, softmax=True)

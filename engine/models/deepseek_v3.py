@@ -40,6 +40,8 @@ class DeepseekV3Config(MoeConfig):
     v_head_dim: int = 0
     rope_interleave: bool = True
     softmax_scale: float = 1.0
+    query_scale_beta: float = 0.0   # Mistral 4: each query times 1 + beta ln(1 + floor(pos / period))
+    query_scale_period: int = 0     #   (Llama 4's scaling past the pretraining context); 0: none
     ignored_parts: tuple = ()
 
     @property
@@ -104,6 +106,14 @@ def dense_spec(c: DeepseekV3Config) -> dict[str, tuple]:
     return spec
 
 
+def query_scales(c: DeepseekV3Config, pos: np.ndarray) -> np.ndarray:
+    """Mistral 4's query scale at each position, 1 + beta ln(1 + floor(pos / period)) (float32,
+    as the reference computes it)."""
+    p = np.asarray(pos, np.float32)
+    return (np.float32(1) + np.float32(c.query_scale_beta)
+            * np.log1p(np.floor(p / np.float32(c.query_scale_period)))).astype(np.float32)
+
+
 class MlaState(RunState):
     """The latent cache: k [L, S_max, 1, C + R]; v is the same array (attention reads its first
     C values as the value row)."""
@@ -144,6 +154,8 @@ class DeepseekV3Decoder(MoeDecoder):
 
     def attention(self, l: int, h, pos: np.ndarray, st: MlaState):
         q_lat, _ = self.latent(l, h, pos, st)
+        if self.c.query_scale_beta:
+            q_lat *= query_scales(self.c, pos)[:, None, None]
         s = self.cache_index(l)
         a = self.ops.attention(q_lat, st.k[s], st.v[s], pos, self.c.softmax_scale, self.window(l), None)
         return self.out(l, a)
