@@ -294,6 +294,14 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          # streaming) beside the router kernels' tests (router_topk's new norm 2)
          { run dbrx tests/test_dbrx.py; run kern tests/test_cuda_kernels.py -k router; } &
          run granite tests/test_granitemoe.py & wait ;;
+    s33) # the thirty-first session's families on cuda (2026-12-07, not yet run): Hy3-preview
+         # (the generic decoder) and Mistral Small 4 (MLA, grouped softmax routing, the query
+         # scale by position) parity, graph replay and streaming, beside the MLA kernels' tests
+         # (router_sigmoid_topk's pair_groups, the query temperature's shift) and the streamed
+         # engine's tests on the host issue path's kept addresses (1f4ceb4)
+         { run hy3 tests/test_hy_v3.py; run mistral4 tests/test_mistral4.py; } &
+         { run mla tests/test_mla_cuda.py; run engine tests/test_gpu_engine.py -k "stream or gather"; } &
+         wait ;;
     newbench) # the new families' streaming decode at --vram-gb 8 --ram-gb 32 on synthetic arenas cut
          # to fit the disk (Hunyuan-A13B 16 of 32 layers, Llama-4-Scout 12 of 48, MiMo-V2-Flash 8 of 48),
          # one after another in what the call allows (2026-12-07, not yet run)
