@@ -76,7 +76,7 @@ class LongcatFlashConfig(DeepseekV3Config):
         for key, alias in ALIASES.items():
             if key not in cfg and alias in cfg:
                 cfg[key] = cfg[alias]
-        if "num_layers" not in cfg and cfg.get("num_hidden_layers") is not None:
+        if cfg.get("num_layers") is None and cfg.get("num_hidden_layers") is not None:
             n_sub = int(cfg["num_hidden_layers"])   # transformers: num_hidden_layers = 2 num_layers
             if n_sub % 2:
                 raise ConfigError(f"config.json: num_hidden_layers={n_sub} must be even (2 sublayers a layer) "
