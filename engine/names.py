@@ -286,6 +286,25 @@ _LFM2_MOE = {
         ("expert_up", "feed_forward.experts.{e}.w3.weight"), ("expert_down", "feed_forward.experts.{e}.w2.weight"))},
 }
 
+# LongCat-Flash: each layer two sublayers j (0, 1), each with its norms (input_layernorm.j before
+# attention, post_attention_layernorm.j before the MLP), DeepSeek-V3's MLA (self_attn.j) and a
+# dense MLP (mlps.j), keyed "<key>.<j>"; one MoE a layer under mlp (the router's classifier and
+# its selection bias, the routed experts)
+_LONGCAT_FLASH = {
+    **{k: _LLAMA_LIKE[k] for k in ("embed", "final_norm", "lm_head", "expert_gate", "expert_up", "expert_down")},
+    "router": "model.layers.{l}.mlp.router.classifier.weight",
+    "router_bias": "model.layers.{l}.mlp.router.e_score_correction_bias",
+    **{f"{k}.{j}": f"model.layers.{{l}}.{v.format(j=j)}" for j in (0, 1) for k, v in (
+        ("attn_norm", "input_layernorm.{j}.weight"), ("mlp_norm", "post_attention_layernorm.{j}.weight"),
+        ("q_a", "self_attn.{j}.q_a_proj.weight"), ("q_a_bias", "self_attn.{j}.q_a_proj.bias"),
+        ("q_a_norm", "self_attn.{j}.q_a_layernorm.weight"), ("q_b", "self_attn.{j}.q_b_proj.weight"),
+        ("kv_a", "self_attn.{j}.kv_a_proj_with_mqa.weight"), ("kv_a_bias", "self_attn.{j}.kv_a_proj_with_mqa.bias"),
+        ("kv_a_norm", "self_attn.{j}.kv_a_layernorm.weight"), ("kv_b", "self_attn.{j}.kv_b_proj.weight"),
+        ("o", "self_attn.{j}.o_proj.weight"), ("o_bias", "self_attn.{j}.o_proj.bias"),
+        ("mlp_gate", "mlps.{j}.gate_proj.weight"), ("mlp_up", "mlps.{j}.up_proj.weight"),
+        ("mlp_down", "mlps.{j}.down_proj.weight"))},
+}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -340,6 +359,7 @@ NAMES: dict[str, dict[str, str]] = {
     "granitemoehybrid": _GRANITEMOEHYBRID,
     "kimi_linear": _KIMI_LINEAR,
     "lfm2_moe": _LFM2_MOE,
+    "longcat_flash": _LONGCAT_FLASH,
     # Llama 4: the text-only folder, and the image-text wrapper's language model
     "llama4_text": _LLAMA4,
     "llama4": {k: "language_model." + v for k, v in _LLAMA4.items()},

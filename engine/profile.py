@@ -22,7 +22,10 @@ class RoutingProfile:
         self.counts = np.zeros((n_layers, n_experts), np.int64) if counts is None else counts
 
     def __call__(self, layer: int, ids) -> None:
-        np.add.at(self.counts[layer], np.asarray(ids).reshape(-1), 1)
+        """ids: the layer's routed expert ids (any shape); -1, a slot that reads no expert (a
+        LongCat-Flash zero expert), is not counted."""
+        ids = np.asarray(ids).reshape(-1)
+        np.add.at(self.counts[layer], ids[ids >= 0], 1)
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps({"kind": "moe-stream routing profile", "version": 1,

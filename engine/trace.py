@@ -3,7 +3,8 @@
 A trace is ids int32 [T, L, K] (T = tokens, L = MoE layers in order, K = top-k) plus a meta dict
 (model, moe_layers, n_experts, block_bytes, ...). Stored as .npz (arrays "ids" and "meta", the
 latter a JSON string) or as JSON lines (first line {"meta": {...}}, then one {"ids": [[K ids]
-per layer]} per token).
+per layer]} per token). An id of -1 is a slot that reads no expert block (LongCat-Flash's zero
+experts): kept in the trace, not replayed.
 
     python -m engine.trace simulate FILE --capacity-gb X --policy lru|lfu|decay|all [--block-bytes N]
 
@@ -71,7 +72,7 @@ def load_trace(path: str | Path) -> tuple[np.ndarray, dict]:
                          f"{ids.dtype} {ids.shape}")
     if not isinstance(meta, dict):
         raise TraceError(f"{path}: trace meta must be a JSON object")
-    if ids.min() < 0 or ("n_experts" in meta and ids.max() >= int(meta["n_experts"])):
+    if ids.min() < -1 or ("n_experts" in meta and ids.max() >= int(meta["n_experts"])):
         raise TraceError(f"{path}: expert ids out of range ({ids.min()}..{ids.max()}, "
                          f"n_experts {meta.get('n_experts', '?')})")
     return ids.astype(np.int32), meta
@@ -147,7 +148,7 @@ def simulate(ids: np.ndarray, n_slots: int, policy: str, split: str = "layer",
         raise TraceError(f"capacity of {n_slots} slots holds no expert block")
     make = BeladyPolicy if policy == "belady" else (lambda: make_policy(policy, decay))
     sp = SplitPolicy(make, list(range(l_)), n_slots, split)
-    groups = [[(l, int(e)) for e in dict.fromkeys(ids[t, l].tolist())]
+    groups = [[(l, int(e)) for e in dict.fromkeys(ids[t, l].tolist()) if e >= 0]
               for t in range(t_) for l in range(l_)]
     if max(len(g) for g in groups) > n_slots:
         raise TraceError(f"capacity too small: {n_slots} slots cannot hold the "

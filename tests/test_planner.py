@@ -70,6 +70,14 @@ def test_profile_round_trip_and_rank(tmp_path):
         RoutingProfile.load(tmp_path / "p.json", 4, 6)
 
 
+def test_profile_skips_slots_without_a_block():
+    """-1, a slot routed to no expert block (LongCat-Flash's zero experts), is not counted (nor
+    taken for the last expert)."""
+    prof = RoutingProfile(2, 4)
+    prof(1, np.array([[3, -1], [-1, -1], [0, 3]]))
+    assert prof.counts.tolist() == [[0, 0, 0, 0], [1, 0, 0, 2]]
+
+
 def test_profile_out_from_generate(tiny_qwen, tmp_path):
     r = subprocess.run([sys.executable, "-m", "engine.generate", "--model", str(tiny_qwen), "--prompt-ids",
                         "1,2,3,4", "--max-new-tokens", "5", "--device", "cpu", "--json",

@@ -77,3 +77,24 @@ def test_bad_ids_refused(tmp_path):
     save_trace(tmp_path / "y.npz", np.full((2, 2, 2), 9), {"n_experts": 8})
     with pytest.raises(TraceError, match="y.npz: expert ids out of range"):
         load_trace(tmp_path / "y.npz")
+
+
+def test_slots_without_a_block(tmp_path):
+    """-1 (a LongCat-Flash zero expert's slot) reads no block: a top-2 trace with such slots
+    replays as the top-1 trace of its real ids, a token routed to none requests nothing; such a
+    trace loads back; -2 is refused."""
+    rng = np.random.default_rng()
+    real = rng.integers(0, 6, (30, 2, 1))
+    ids = np.concatenate([real, np.full_like(real, -1)], axis=2)
+    swap = rng.random(30) < 0.5
+    ids[swap] = ids[swap][:, :, ::-1]
+    for policy in ("lru", "lfu", "belady"):
+        for split in ("layer", "global"):
+            assert simulate(ids, 4, policy, split) == simulate(real, 4, policy, split)
+    assert simulate(np.full((3, 2, 2), -1), 1, "belady") == {"hits": 0, "misses": 0, "hit_rate": 0.0}
+    save_trace(tmp_path / "z.npz", ids, {"n_experts": 6})
+    np.testing.assert_array_equal(load_trace(tmp_path / "z.npz")[0], ids)
+    ids[0, 0, 0] = -2
+    save_trace(tmp_path / "z.npz", ids, {"n_experts": 6})
+    with pytest.raises(TraceError, match="expert ids out of range"):
+        load_trace(tmp_path / "z.npz")

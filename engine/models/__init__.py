@@ -23,6 +23,7 @@ from engine.models import granitemoehybrid
 from engine.models import lfm2_moe
 from engine.models import hy_v3
 from engine.models import mistral4
+from engine.models import longcat_flash
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -73,6 +74,7 @@ FAMILIES = {
     "kimi_linear": kimi_linear,          # Kimi-Linear: KDA + MLA without RoPE, DeepSeek-V3's MoE (CPU backend)
     "granitemoehybrid": granitemoehybrid,  # Granite 4.0 H: Mamba-2 + attention, Granite MoE's MLP (CPU backend)
     "lfm2_moe": lfm2_moe,                # LFM2-8B-A1B: gated short convs + attention, sigmoid routing (CPU backend)
+    "longcat_flash": longcat_flash,      # LongCat-Flash: 2 MLA sublayers a layer, a shortcut MoE, zero experts (CPU backend)
 }
 
 # model types that are another family's architecture under their own name

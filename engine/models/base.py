@@ -167,9 +167,13 @@ def one_plus_view(family: str, n: str, a: np.ndarray, norms) -> np.ndarray:
     of a key in norms as 1 + w in float32 (bf16 widened exactly); any other tensor as stored."""
     if key_of(family, n, norms) is None:
         return a
+    return widened(a) + np.float32(1)
+
+
+def widened(a) -> np.ndarray:
+    """A stored weight in float32 (bf16, held as uint16, widened exactly)."""
     a = np.asarray(a)
-    w = (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
-    return w + np.float32(1)
+    return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
 # ---- tensor spec ---------------------------------------------------------------------------

@@ -30,6 +30,19 @@ LATENT_EPS = 1e-6
 _ATTN = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
 
 
+def mla_softmax_scale(cfg: dict, qk_dim: int) -> float:
+    """What MLA's scores q . k are multiplied by: qk_dim ** -0.5, times YaRN's mscale squared
+    where the rope scaling has mscale_all_dim (the reference's yarn_apply_mscale)."""
+    scale = qk_dim ** -0.5
+    params = rope_params(cfg)
+    m_all = params.get("mscale_all_dim")
+    if params.get("rope_type", params.get("type", "default")) != "default" and m_all:
+        factor = float(params["factor"])
+        m = 1.0 if factor <= 1 else 0.1 * float(m_all) * np.log(factor) + 1.0
+        scale *= m * m
+    return float(scale)
+
+
 @dataclass(frozen=True)
 class DeepseekV3Config(MoeConfig):
     # the cache row is one latent "head" (n_kv_heads 1) of head_dim = kv_lora_rank + qk_rope_dim
@@ -65,13 +78,7 @@ class DeepseekV3Config(MoeConfig):
         f.update(sigmoid_moe(cfg, f, first_dense=3, shared=1, norm=True))   # the reference's defaults
         f["rope"] = RopeConfig.from_hf(dict(cfg, partial_rotary_factor=1.0), rope)
         f.update(n_kv_heads=1, head_dim=c_dim + rope)
-        scale = (nope + rope) ** -0.5
-        params = rope_params(cfg)
-        m_all = params.get("mscale_all_dim")
-        if params.get("rope_type", params.get("type", "default")) != "default" and m_all:
-            factor = float(params["factor"])
-            m = 1.0 if factor <= 1 else 0.1 * float(m_all) * np.log(factor) + 1.0
-            scale *= m * m
+        scale = mla_softmax_scale(cfg, nope + rope)
         n_mtp = int(cfg.get("num_nextn_predict_layers") or 0)
         mtp = tuple((f"model.layers.{f['n_layers'] + i}.",
                      "the multi-token-prediction (MTP) layer") for i in range(n_mtp))
