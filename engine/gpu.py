@@ -1239,7 +1239,8 @@ class GpuDecoder:
             gs.router_sigmoid_topk(rl, self.zero_bias, 1, 1, False, 1.0, ids, w, self.cs, slots=slots)
         elif c.routing == "softmax_bias":   # ERNIE-4.5 (its bias [1, E])
             gs.router_sigmoid_topk(rl, self.w("router_bias", l).reshape(c.n_experts), 1, 1,
-                                   c.norm_topk_prob, 1.0, ids, w, self.cs, slots=slots, softmax=True)
+                                   c.norm_topk_prob, c.routed_scale, ids, w, self.cs, slots=slots,
+                                   softmax=True)
         elif c.routing == "softmax_grouped":   # Mistral 4: softmax scores in groups, no bias
             gs.router_sigmoid_topk(rl, None, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scale, ids, w,
                                    self.cs, slots=slots, softmax=True, pair_groups=True)

@@ -467,7 +467,7 @@ class MoeDecoder:
                                       c.topk_group, c.norm_topk_prob, c.routed_scale, softmax=True)
         if c.routing == "softmax_bias":   # ERNIE-4.5: softmax scores chosen with a bias
             return ops.router_sigmoid(logits, w("router_bias", l), c.top_k, 1, 1,
-                                      c.norm_topk_prob, 1.0, softmax=True)
+                                      c.norm_topk_prob, c.routed_scale, softmax=True)
         return ops.router(logits, c.top_k, c.norm_topk_prob)
 
     def routed_expert(self, l: int, e: int, x, we):

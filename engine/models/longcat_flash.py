@@ -218,19 +218,12 @@ class LongcatFlashDecoder(DeepseekV3Decoder):
             ops.add_(x, self.dense_mlp(s, h))
         ops.add_(x, shortcut)
 
-    def route(self, l: int, h):
-        """(ids [T, K] in 0 .. E + Z - 1, weights [T, K]): softmax scores over E + Z, chosen with
-        the selection bias, times routed_scaling_factor (LongcatFlashTopkRouter)."""
-        c = self.c
-        return self.ops.router_sigmoid(self.ops.linear(h, self.w("router", l)), self.w("router_bias", l),
-                                       c.top_k, 1, 1, False, c.routed_scale, softmax=True)
-
     def moe(self, l: int, h):
         """The real experts chosen (each once over its tokens, fetched as usual) plus h times the
         weights of the zero experts chosen. on_route sees ids [T, K] with -1 at zero experts' slots
         (they read no block)."""
         c, ops = self.c, self.ops
-        ids, rw = self.route(l, h)
+        ids, rw = self.route(l, h)   # (base: softmax over E + Z chosen with the bias, times the scale)
         zero = ids >= c.n_experts                                          # [T, K]
         if self.on_route is not None:
             self.on_route(l, np.where(zero, -1, ids).astype(np.int32))
