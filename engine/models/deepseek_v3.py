@@ -138,13 +138,16 @@ class MlaState(RunState):
 class DeepseekV3Decoder(MoeDecoder):
     def __init__(self, c: DeepseekV3Config, ops, weights, experts, on_route=None):
         super().__init__(c, ops, weights, experts, on_route)
-        heads, nope, rope, cd = c.n_heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
+        heads, rope, cd = c.n_heads, c.qk_rope_dim, c.kv_lora_rank
         f32 = ops.deltanet.f32
         # interleaved rotary pairs (x0, x1), (x2, x3)... -> halves (x0, x2, ...), (x1, x3, ...)
         self.rot = pairs_to_halves(rope) if c.rope_interleave else np.arange(rope)
         derived = {}
         for l in range(c.n_layers):
-            kv_b = f32(weights("kv_b", l)).reshape(heads, nope + c.v_head_dim, cd)
+            # [Hq, nope + V, C]; nope = qk_nope_head_dim, but in Mistral Large 4's NoPE layers
+            # qk_nope_head_dim + qk_rope_head_dim (a head's key all from the latent)
+            kv_b = f32(weights("kv_b", l)).reshape(heads, -1, cd)
+            nope = kv_b.shape[1] - c.v_head_dim
             derived["w_uk", l] = np.ascontiguousarray(kv_b[:, :nope, :])                 # [Hq, nope, C]
             derived["w_uv_t", l] = np.ascontiguousarray(kv_b[:, nope:, :].transpose(0, 2, 1))  # [Hq, C, V]
         self.derive(derived)
