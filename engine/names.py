@@ -286,6 +286,31 @@ _LFM2_MOE = {
         ("expert_up", "feed_forward.experts.{e}.w3.weight"), ("expert_down", "feed_forward.experts.{e}.w2.weight"))},
 }
 
+# Mistral Large 4's wrapper as released (and as transformers saves it): Mistral's own names at the
+# top level (tok_embeddings, layers.{l}.attention.wq / wkv_a_with_mqa / wkv_b / wo, the norms
+# attention_norm / ffn_norm, feed_forward and the experts as w1 gate / w3 up / w2 down); LeRoPE's
+# alpha (lerope.alpha); the queries' scales by position (ssmax_scaling s / b), the indexer's too
+_MISTRAL_LARGE4 = {
+    "embed": "tok_embeddings.weight", "final_norm": "norm.weight", "lm_head": "output.weight",
+    "rope_alpha": "lerope.alpha",
+    **{k: "layers.{l}." + v for k, v in (
+        ("attn_norm", "attention_norm.weight"), ("mlp_norm", "ffn_norm.weight"),
+        ("q", "attention.wq.weight"), ("kv_a", "attention.wkv_a_with_mqa.weight"),
+        ("kv_a_bias", "attention.wkv_a_with_mqa.bias"), ("kv_a_norm", "attention.kv_a_norm.weight"),
+        ("kv_b", "attention.wkv_b.weight"), ("o", "attention.wo.weight"), ("o_bias", "attention.wo.bias"),
+        ("q_scale", "attention.ssmax_scaling.s"), ("q_scale_bias", "attention.ssmax_scaling.b"),
+        ("idx_q_norm", "attention.indexer.q_input_norm.weight"),
+        ("idx_q_norm_bias", "attention.indexer.q_input_norm.bias"), ("idx_wq_b", "attention.indexer.wq_b.weight"),
+        ("idx_wk", "attention.indexer.wk.weight"), ("idx_k_norm", "attention.indexer.k_norm.weight"),
+        ("idx_k_norm_bias", "attention.indexer.k_norm.bias"), ("idx_w", "attention.indexer.weights_proj.weight"),
+        ("idx_q_scale", "attention.indexer.ssmax_scaling.s"), ("idx_q_scale_bias", "attention.indexer.ssmax_scaling.b"),
+        ("router", "gate.weight"), ("shared_gate", "shared_experts.w1.weight"),
+        ("shared_up", "shared_experts.w3.weight"), ("shared_down", "shared_experts.w2.weight"),
+        ("mlp_gate", "feed_forward.w1.weight"), ("mlp_up", "feed_forward.w3.weight"),
+        ("mlp_down", "feed_forward.w2.weight"), ("expert_gate", "experts.{e}.w1.weight"),
+        ("expert_up", "experts.{e}.w3.weight"), ("expert_down", "experts.{e}.w2.weight"))},
+}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -302,6 +327,7 @@ NAMES: dict[str, dict[str, str]] = {
     "deepseek_v2": _DEEPSEEK_V3,
     "glm4_moe_lite": _DEEPSEEK_V3,
     "mistral4": _DEEPSEEK_V3,   # Mistral Small 4: no selection bias (softmax routing)
+    "mistral_large4": _MISTRAL_LARGE4,
     "qwen3_next": _HYBRID,
     "gpt_oss": _GPT_OSS,
     "qwen3_5_moe_text": _HYBRID,
