@@ -87,6 +87,11 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
         q_lat, qr = self.latent(l, h, pos, st)
         if l in self.index_row:   # else the last indexer layer's picks (layer 0 runs one)
             st.picked = self.select(l, h, qr, pos, st)
+        return self.out(l, self.attend(l, q_lat, pos, st))
+
+    def attend(self, l: int, q_lat, pos: np.ndarray, st: DsaState):
+        """The latent queries [T, Hq, C + R] over the positions st.picked holds for them (every
+        position where it is None): the heads' outputs in the latent space, [T, Hq, C + R]."""
         picked, row = st.picked, self.cache_index(l)
         if picked is None:   # every position: dense MLA
             a = self.ops.attention(q_lat, st.k[row], st.v[row], pos, self.c.softmax_scale, 0, None)
@@ -97,7 +102,7 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
                 s = (q_lat[i] @ rows.T) * np.float32(self.c.softmax_scale)      # [Hq, n]
                 p = np.exp(s - s.max(-1, keepdims=True))
                 a[i] = (p / p.sum(-1, keepdims=True)) @ rows
-        return self.out(l, a)
+        return a
 
     def select(self, l: int, h, qr, pos: np.ndarray, st: DsaState):
         """Stores the tokens' indexer keys; returns each token's picked positions (ascending),
