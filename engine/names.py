@@ -82,6 +82,11 @@ _DSA = {**_DEEPSEEK_V3, **{k: "model.layers.{l}.self_attn.indexer." + v for k, v
     ("idx_wq_b", "wq_b.weight"), ("idx_wk", "wk.weight"), ("idx_k_norm", "k_norm.weight"),
     ("idx_k_norm_bias", "k_norm.bias"), ("idx_w", "weights_proj.weight"))}}
 
+# dots.3 note: DSA's names, a sigmoid gate a head on the attention output (g_proj), the rotated
+# key's own RMSNorm (k_rope_only_layernorm)
+_DOTS3 = {**_DSA, "g": "model.layers.{l}.self_attn.g_proj.weight",
+          "k_rope_norm": "model.layers.{l}.self_attn.k_rope_only_layernorm.weight"}
+
 # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): a sigmoid-gated shared expert, the hybrids' names.
 _QWEN2_MOE = {**_LLAMA_LIKE, **{k: _HYBRID[k] for k in ("shared_gate", "shared_up", "shared_down",
                                                         "shared_expert_gate")}}
@@ -338,6 +343,10 @@ NAMES: dict[str, dict[str, str]] = {
     # DeepSeek-V3.2 and GLM-5: V3's names and the DSA indexer's
     "deepseek_v32": _DSA,
     "glm_moe_dsa": _DSA,
+    # dots.3 note: the omni wrapper as released (and as transformers saves it: the language
+    # model's names at model., beside vision_encoder. and audio_encoder.), or a text-only folder
+    "dots3_note": _DOTS3,
+    "dots3_note_text": _DOTS3,
     "deepseek_v4": _DEEPSEEK_V4,
     "step3p5": _STEP,
     "cohere2_moe": _SIGMOID_MOE,   # llama-like, shared experts as DeepSeek-V3 names them
