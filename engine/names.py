@@ -82,6 +82,11 @@ _DSA = {**_DEEPSEEK_V3, **{k: "model.layers.{l}.self_attn.indexer." + v for k, v
     ("idx_wq_b", "wq_b.weight"), ("idx_wk", "wk.weight"), ("idx_k_norm", "k_norm.weight"),
     ("idx_k_norm_bias", "k_norm.bias"), ("idx_w", "weights_proj.weight"))}}
 
+# dots.3 note: DSA's names, a sigmoid gate a head on the attention output (g_proj), the rotated
+# key's own RMSNorm (k_rope_only_layernorm)
+_DOTS3 = {**_DSA, "g": "model.layers.{l}.self_attn.g_proj.weight",
+          "k_rope_norm": "model.layers.{l}.self_attn.k_rope_only_layernorm.weight"}
+
 # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): a sigmoid-gated shared expert, the hybrids' names.
 _QWEN2_MOE = {**_LLAMA_LIKE, **{k: _HYBRID[k] for k in ("shared_gate", "shared_up", "shared_down",
                                                         "shared_expert_gate")}}
@@ -305,6 +310,31 @@ _LONGCAT_FLASH = {
         ("mlp_down", "mlps.{j}.down_proj.weight"))},
 }
 
+# Mistral Large 4's wrapper as released (and as transformers saves it): Mistral's own names at the
+# top level (tok_embeddings, layers.{l}.attention.wq / wkv_a_with_mqa / wkv_b / wo, the norms
+# attention_norm / ffn_norm, feed_forward and the experts as w1 gate / w3 up / w2 down); LeRoPE's
+# alpha (lerope.alpha); the queries' scales by position (ssmax_scaling s / b), the indexer's too
+_MISTRAL_LARGE4 = {
+    "embed": "tok_embeddings.weight", "final_norm": "norm.weight", "lm_head": "output.weight",
+    "rope_alpha": "lerope.alpha",
+    **{k: "layers.{l}." + v for k, v in (
+        ("attn_norm", "attention_norm.weight"), ("mlp_norm", "ffn_norm.weight"),
+        ("q", "attention.wq.weight"), ("kv_a", "attention.wkv_a_with_mqa.weight"),
+        ("kv_a_bias", "attention.wkv_a_with_mqa.bias"), ("kv_a_norm", "attention.kv_a_norm.weight"),
+        ("kv_b", "attention.wkv_b.weight"), ("o", "attention.wo.weight"), ("o_bias", "attention.wo.bias"),
+        ("q_scale", "attention.ssmax_scaling.s"), ("q_scale_bias", "attention.ssmax_scaling.b"),
+        ("idx_q_norm", "attention.indexer.q_input_norm.weight"),
+        ("idx_q_norm_bias", "attention.indexer.q_input_norm.bias"), ("idx_wq_b", "attention.indexer.wq_b.weight"),
+        ("idx_wk", "attention.indexer.wk.weight"), ("idx_k_norm", "attention.indexer.k_norm.weight"),
+        ("idx_k_norm_bias", "attention.indexer.k_norm.bias"), ("idx_w", "attention.indexer.weights_proj.weight"),
+        ("idx_q_scale", "attention.indexer.ssmax_scaling.s"), ("idx_q_scale_bias", "attention.indexer.ssmax_scaling.b"),
+        ("router", "gate.weight"), ("shared_gate", "shared_experts.w1.weight"),
+        ("shared_up", "shared_experts.w3.weight"), ("shared_down", "shared_experts.w2.weight"),
+        ("mlp_gate", "feed_forward.w1.weight"), ("mlp_up", "feed_forward.w3.weight"),
+        ("mlp_down", "feed_forward.w2.weight"), ("expert_gate", "experts.{e}.w1.weight"),
+        ("expert_up", "experts.{e}.w3.weight"), ("expert_down", "experts.{e}.w2.weight"))},
+}
+
 NAMES: dict[str, dict[str, str]] = {
     "qwen3_moe": _LLAMA_LIKE,
     "qwen2_moe": _QWEN2_MOE,
@@ -321,6 +351,7 @@ NAMES: dict[str, dict[str, str]] = {
     "deepseek_v2": _DEEPSEEK_V3,
     "glm4_moe_lite": _DEEPSEEK_V3,
     "mistral4": _DEEPSEEK_V3,   # Mistral Small 4: no selection bias (softmax routing)
+    "mistral_large4": _MISTRAL_LARGE4,
     "qwen3_next": _HYBRID,
     "gpt_oss": _GPT_OSS,
     "qwen3_5_moe_text": _HYBRID,
@@ -331,6 +362,10 @@ NAMES: dict[str, dict[str, str]] = {
     # DeepSeek-V3.2 and GLM-5: V3's names and the DSA indexer's
     "deepseek_v32": _DSA,
     "glm_moe_dsa": _DSA,
+    # dots.3 note: the omni wrapper as released (and as transformers saves it: the language
+    # model's names at model., beside vision_encoder. and audio_encoder.), or a text-only folder
+    "dots3_note": _DOTS3,
+    "dots3_note_text": _DOTS3,
     "deepseek_v4": _DEEPSEEK_V4,
     "step3p5": _STEP,
     "cohere2_moe": _SIGMOID_MOE,   # llama-like, shared experts as DeepSeek-V3 names them

@@ -296,6 +296,30 @@ def assert_same_greedy(ref_engine, prompt, got, want, n: int) -> None:
         f"step {i}: got {got[i]}, the reference engine's greedy {want[i]} by a margin of {gap:.3g}")
 
 
+def index_topk_gap(ref, ids, k: int) -> float:
+    """transformers' indexer picks over ids (a DSA family: deepseek_v32, glm_moe_dsa,
+    mistral_large4): the smallest gap between the k-th and the next score of a query that has
+    more than k keys, relative to the query's largest score. Every Tensor.topk(k) over more than
+    k values is taken for the indexer's: the model's other top-k calls must use another k."""
+    import torch
+    gaps, topk = [], torch.Tensor.topk
+
+    def spy(t, n, *a, **kw):
+        if n == k and t.shape[-1] > k:
+            s = t.detach().reshape(-1, t.shape[-1]).float().sort(dim=-1, descending=True).values
+            live = s[:, k] > -1e30       # (masked keys sit at the dtype's minimum)
+            gaps.extend(((s[:, k - 1] - s[:, k]) / s[:, 0].abs().clamp(min=1e-30))[live].tolist())
+        return topk(t, n, *a, **kw)
+    torch.Tensor.topk = spy
+    try:
+        with torch.no_grad():
+            ref(torch.tensor(ids)[None])
+    finally:
+        torch.Tensor.topk = topk
+    assert gaps, "no indexer pick seen"
+    return min(gaps)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import engine
-from conftest import assert_greedy, build_hf_model, check_state_resumes, copy_config, hf_reference, rel_err
+from conftest import (assert_greedy, build_hf_model, check_state_resumes, copy_config, hf_reference,
+                      index_topk_gap, rel_err)
 from engine.models import family_of
 from engine.models.rope import ConfigError
 
@@ -43,28 +44,6 @@ def prompt_ids(n: int) -> np.ndarray:
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     print(f"prompt seed {seed}", flush=True)
     return np.random.default_rng(seed).integers(0, 300, n)
-
-
-def index_topk_gap(ref, ids, k: int) -> float:
-    """transformers' indexer picks over ids: the smallest gap between the k-th and the next
-    score of a query that has more than k keys, relative to the query's largest score."""
-    import torch
-    gaps, topk = [], torch.Tensor.topk
-
-    def spy(t, n, *a, **kw):
-        if n == k and t.shape[-1] > k:   # (the MoE takes 2 of 8 experts, 1 of 2 groups)
-            s = t.detach().reshape(-1, t.shape[-1]).float().sort(dim=-1, descending=True).values
-            live = s[:, k] > -1e30       # (masked keys sit at the dtype's minimum)
-            gaps.extend(((s[:, k - 1] - s[:, k]) / s[:, 0].abs().clamp(min=1e-30))[live].tolist())
-        return topk(t, n, *a, **kw)
-    torch.Tensor.topk = spy
-    try:
-        with torch.no_grad():
-            ref(torch.tensor(ids)[None])
-    finally:
-        torch.Tensor.topk = topk
-    assert gaps, "no indexer pick seen"
-    return min(gaps)
 
 
 def test_logits_and_greedy(tiny, tmp_path):

@@ -24,6 +24,8 @@ from engine.models import lfm2_moe
 from engine.models import hy_v3
 from engine.models import mistral4
 from engine.models import longcat_flash
+from engine.models import mistral_large4
+from engine.models import dots3_note
 from engine.models.rope import ConfigError
 
 FAMILIES = {
@@ -58,6 +60,9 @@ FAMILIES = {
     "hunyuan_v1_moe": hunyuan_v1_moe,    # Hunyuan-A13B: q / k norms after RoPE
     "hy_v3": hy_v3,                      # Hy3-preview: Qwen3's attention, DeepSeek-V3's routing without groups
     "mistral4": mistral4,                # Mistral Small 4: DeepSeek-V3's MLA, softmax routing in groups
+    "mistral_large4": mistral_large4,    # Mistral Large 4: the image-text wrapper's language model, GLM-5's DSA (CPU backend)
+    "dots3_note": dots3_note,            # dots.3 note: the omni wrapper's language model, DSA and sliding MLA layers (CPU backend)
+    "dots3_note_text": dots3_note,       # a text-only dots.3 note folder
     "granitemoe": granitemoe,            # Granite MoE: muP multipliers on the embeddings, scores, branches, logits
     "granitemoeshared": granitemoe,      # Granite MoE with a shared expert
     "granitemoe_swa": granitemoe,        # Granite MoE with sliding-window layers and attention sinks

@@ -61,6 +61,12 @@ class DeepseekV3Config(MoeConfig):
     def kv_tensors(self) -> int:
         return 1   # K and V are the same latent row
 
+    def mla(self, l: int) -> tuple:
+        """Layer l's latent attention shapes (heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope,
+        v_head_dim): the config's in every layer (dots.3's sliding layers have their own)."""
+        return (self.n_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_dim, self.qk_rope_dim,
+                self.v_head_dim)
+
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekV3Config":
         cfg = with_experts(cfg)
@@ -89,26 +95,26 @@ class DeepseekV3Config(MoeConfig):
 
 
 def dense_spec(c: DeepseekV3Config) -> dict[str, tuple]:
-    f, h, heads = c.family, c.hidden, c.n_heads
-    q_rows = heads * (c.qk_nope_dim + c.qk_rope_dim)
+    f, h = c.family, c.hidden
     spec = base.dense_spec(c)
     for l in range(c.n_layers):
         for key in _ATTN:
             spec.pop(name(f, key, l), None)
-        if c.q_lora_rank:
-            spec[name(f, "q_a", l)] = (c.q_lora_rank, h)
-            spec[name(f, "q_a_norm", l)] = (c.q_lora_rank,)
-            spec[name(f, "q_b", l)] = (q_rows, c.q_lora_rank)
+        heads, lq, cd, nope, rope, v = c.mla(l)
+        if lq:
+            spec[name(f, "q_a", l)] = (lq, h)
+            spec[name(f, "q_a_norm", l)] = (lq,)
+            spec[name(f, "q_b", l)] = (heads * (nope + rope), lq)
             if c.attention_bias:
-                spec[name(f, "q_a_bias", l)] = (c.q_lora_rank,)
+                spec[name(f, "q_a_bias", l)] = (lq,)
         else:
-            spec[name(f, "q", l)] = (q_rows, h)
-        spec[name(f, "kv_a", l)] = (c.kv_lora_rank + c.qk_rope_dim, h)
-        spec[name(f, "kv_a_norm", l)] = (c.kv_lora_rank,)
-        spec[name(f, "kv_b", l)] = (heads * (c.qk_nope_dim + c.v_head_dim), c.kv_lora_rank)
-        spec[name(f, "o", l)] = (h, heads * c.v_head_dim)
+            spec[name(f, "q", l)] = (heads * (nope + rope), h)
+        spec[name(f, "kv_a", l)] = (cd + rope, h)
+        spec[name(f, "kv_a_norm", l)] = (cd,)
+        spec[name(f, "kv_b", l)] = (heads * (nope + v), cd)
+        spec[name(f, "o", l)] = (h, heads * v)
         if c.attention_bias:
-            spec[name(f, "kv_a_bias", l)] = (c.kv_lora_rank + c.qk_rope_dim,)
+            spec[name(f, "kv_a_bias", l)] = (cd + rope,)
             spec[name(f, "o_bias", l)] = (h,)
     return spec
 
@@ -145,13 +151,17 @@ class MlaState(RunState):
 class DeepseekV3Decoder(MoeDecoder):
     def __init__(self, c: DeepseekV3Config, ops, weights, experts, on_route=None):
         super().__init__(c, ops, weights, experts, on_route)
-        heads, nope, rope, cd = c.n_heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
+        rope = c.qk_rope_dim
         f32 = ops.deltanet.f32
         # interleaved rotary pairs (x0, x1), (x2, x3)... -> halves (x0, x2, ...), (x1, x3, ...)
         self.rot = pairs_to_halves(rope) if c.rope_interleave else np.arange(rope)
         derived = {}
         for l in range(c.n_layers):
-            kv_b = f32(weights("kv_b", l)).reshape(heads, nope + c.v_head_dim, cd)
+            # [Hq, nope + V, C]; nope = qk_nope_head_dim, but in Mistral Large 4's NoPE layers
+            # qk_nope_head_dim + qk_rope_head_dim (a head's key all from the latent)
+            heads, _, cd, _, _, v = c.mla(l)
+            kv_b = f32(weights("kv_b", l)).reshape(heads, -1, cd)
+            nope = kv_b.shape[1] - v
             derived["w_uk", l] = np.ascontiguousarray(kv_b[:, :nope, :])                 # [Hq, nope, C]
             derived["w_uv_t", l] = np.ascontiguousarray(kv_b[:, nope:, :].transpose(0, 2, 1))  # [Hq, C, V]
         self.derive(derived)

@@ -87,17 +87,22 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
         q_lat, qr = self.latent(l, h, pos, st)
         if l in self.index_row:   # else the last indexer layer's picks (layer 0 runs one)
             st.picked = self.select(l, h, qr, pos, st)
-        picked = st.picked
+        return self.out(l, self.attend(l, q_lat, pos, st))
+
+    def attend(self, l: int, q_lat, pos: np.ndarray, st: DsaState):
+        """The latent queries [T, Hq, C + R] over the positions st.picked holds for them (every
+        position where it is None): the heads' outputs in the latent space, [T, Hq, C + R]."""
+        picked, row = st.picked, self.cache_index(l)
         if picked is None:   # every position: dense MLA
-            a = self.ops.attention(q_lat, st.k[l], st.v[l], pos, self.c.softmax_scale, 0, None)
+            a = self.ops.attention(q_lat, st.k[row], st.v[row], pos, self.c.softmax_scale, 0, None)
         else:
             a = np.empty(q_lat.shape, np.float32)
             for i, keep in enumerate(picked):   # each query over its picked rows
-                rows = st.k[l, keep, 0].astype(np.float32)                       # [n, C + R]
+                rows = st.k[row, keep, 0].astype(np.float32)                       # [n, C + R]
                 s = (q_lat[i] @ rows.T) * np.float32(self.c.softmax_scale)      # [Hq, n]
                 p = np.exp(s - s.max(-1, keepdims=True))
                 a[i] = (p / p.sum(-1, keepdims=True)) @ rows
-        return self.out(l, a)
+        return a
 
     def select(self, l: int, h, qr, pos: np.ndarray, st: DsaState):
         """Stores the tokens' indexer keys; returns each token's picked positions (ascending),
@@ -109,17 +114,20 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
         var = ((k - mu) ** 2).mean(-1, keepdims=True)
         k = ((k - mu) / np.sqrt(var + np.float32(1e-6)) * w("idx_k_norm", l)
              + w("idx_k_norm_bias", l)).astype(np.float32)[:, None]        # LayerNorm, [T, 1, D]
+        rotates = l not in c.nope_layers   # (Mistral Large 4's NoPE layers: neither q nor k)
         if self.index_cols is not None:
             k = np.ascontiguousarray(k[:, :, self.index_cols])
-        ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
+        if rotates:
+            ops.rope(k, pos, self.inv_freq, c.rope.attention_factor)
         ik = st.ik[self.index_row[l]]                                       # [S_max, D]
         ik[pos[0]:pos[0] + t] = k[:, 0]
         end = int(pos[-1]) + 1
         if end <= c.index_topk:
             return None
-        q = ops.linear(qr, w("idx_wq_b", l)).reshape(t, heads, dim)
+        q = self.index_query(l, h, qr, pos)                                 # [T, Hi, D]
         q = np.ascontiguousarray(q if self.index_cols is None else q[:, :, self.index_cols])
-        ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
+        if rotates:
+            ops.rope(q, pos, self.inv_freq, c.rope.attention_factor)
         wt = ops.linear(h, w("idx_w", l)) * np.float32(heads ** -0.5)        # [T, Hi]
         keys = ik[:end]                                                     # [S, D]
         scores = np.maximum(np.einsum("thd,sd->ths", q, keys) * np.float32(dim ** -0.5), 0)
@@ -133,6 +141,11 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
                 top = np.argpartition(-score[i, :n], c.index_topk - 1)[:c.index_topk]
                 picked.append(np.sort(top))
         return picked
+
+    def index_query(self, l: int, h, qr, pos: np.ndarray):
+        """The indexer's queries [T, Hi, D] before RoPE: from the normed low-rank query qr."""
+        c = self.c
+        return self.ops.linear(qr, self.w("idx_wq_b", l)).reshape(h.shape[0], c.index_n_heads, c.index_head_dim)
 
 
 Model = DeepseekV32Decoder
