@@ -1151,7 +1151,8 @@ class GpuDecoder:
         pos = b.pos[:t]
         self._rotate_store(l, q3, k3, v3, pos, st)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
-        ga.attention(q3, st.k[l], st.v[l], pos, c.qk_scale, att3,
+        kc, vc = self._cache(l, st)
+        ga.attention(q3, kc, vc, pos, c.qk_scale, att3,
                      _partials(b.partials, t, c.n_heads), cs, self._window(l), sinks=self._sinks(l))
         return b.att[:t]
 
@@ -1169,9 +1170,10 @@ class GpuDecoder:
         freq, scale = self.inv_freq, c.rope.attention_factor
         if l in c.nope_layers:
             freq, scale = self.no_freq, 1.0
+        kc, vc = self._cache(l, st)
         if c.qk_norm == "head":   # per-head norms, RoPE of q and k and the cache store: one launch
             gd.qk_norm_rope(q3, k3, self.w("q_norm", l), self.w("k_norm", l), c.rms_eps, pos,
-                            freq, scale, cs, cache=(v3, st.k[l], st.v[l]))
+                            freq, scale, cs, cache=(v3, kc, vc))
         else:
             gd.rope(q3, pos, freq, cs, scale)
             gd.rope(k3, pos, freq, cs, scale)
@@ -1179,7 +1181,12 @@ class GpuDecoder:
                 for a, key in ((q3, "q_norm"), (k3, "k_norm")):
                     a2 = a.reshape(-1, c.head_dim)
                     gd.rmsnorm(a2, self.w(key, l), c.rms_eps, a2, cs)
-            gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
+            gm.kv_store(k3, v3, kc, vc, pos, cs)
+
+    def _cache(self, l, st) -> tuple:
+        """Layer l's K and V cache in st, [S_max, Hkv, D] each (a hybrid's state holds its
+        attention layers' only: engine/gpu_hybrid.py RecurrentDecoder)."""
+        return st.k[l], st.v[l]
 
     def _sinks(self, l):
         """Layer l's attention-sink logits [Hq] on the device, or None: gpt-oss's."""
