@@ -219,7 +219,7 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
-                "granitemoe", "granitemoeshared", "granitemoe_swa",
+                "granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
                 "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe", "ernie4_5_vl_moe",
                 "minicpm5_moe", "flex_olmo", "phimoe", "dbrx")
@@ -237,6 +237,7 @@ GPU_DECODERS = {
     "granitemoe": ("gpu_granitemoe", "GpuGraniteMoeDecoder"),  # the multipliers, granitemoe_swa's sinks
     "granitemoeshared": ("gpu_granitemoe", "GpuGraniteMoeDecoder"),
     "granitemoe_swa": ("gpu_granitemoe", "GpuGraniteMoeDecoder"),
+    "granitemoehybrid": ("gpu_granite_hybrid", "GpuGraniteHybridDecoder"),   # Mamba-2 layers, the multipliers
     "minicpm5_moe": ("gpu_minicpm", "GpuMinicpmDecoder"),      # the gate from q_proj
     "flex_olmo": ("gpu_flex_olmo", "GpuFlexOlmoDecoder"),      # norms after attention and the MLP only
     "phimoe": ("gpu_phimoe", "GpuPhimoeDecoder"),              # LayerNorms with bias, sparsemixer routing
@@ -416,7 +417,10 @@ class Engine:
             mod, cls = GPU_DECODERS.get(c.family, ("gpu", "GpuDecoder"))
             g = importlib.import_module(f"engine.{mod}")
             Decoder = getattr(g, cls)
-            kv = 2 * c.n_layers * self.max_context * c.kv_dim * self.kv_itemsize
+            if hasattr(g, "state_bytes"):   # a state of its own (gpu_granite_hybrid: KV rows of
+                kv = g.state_bytes(c, self.max_context, self.kv_itemsize)   # some layers, Mamba state)
+            else:
+                kv = 2 * c.n_layers * self.max_context * c.kv_dim * self.kv_itemsize
         chunk = g.pick_prefill_chunk(c, self.max_context, vram * 1e9)
         run_state = g.run_state_bytes(c, chunk, self.max_context)
         total_experts = len(c.moe_layers) * c.n_experts

@@ -151,6 +151,38 @@ def run_sim_kernel_checks() -> None:
     print("SIM KERNELS PASSED", flush=True)
 
 
+def run_sim_decoder_check(model: Path) -> None:
+    """The eager GpuGraniteHybridDecoder against the CPU backend on a tiny model: a 2-token
+    prefill's logits, a greedy step from its state saved and restored (the prefix cache's path:
+    conftest.eager_decoder_matches_cpu); greedy tokens of the engine (the device sampler); a
+    prefill = the same tokens one at a time, logits and the conv and scan state."""
+    import engine
+    from conftest import eager_decoder_matches_cpu, rel_err
+
+    def setup(dec):
+        assert type(dec).__name__ == "GpuGraniteHybridDecoder", type(dec).__name__
+    eager_decoder_matches_cpu(model, setup)
+    t0 = time.time()
+    g = engine.load(model, device="cuda")
+    g.gpu.use_graphs = False
+    prompt = [3, 17, 5]
+    got = g.generate(prompt, max_new_tokens=2).output_ids
+    want = engine.load(model, device="cpu").generate(prompt, max_new_tokens=2).output_ids
+    assert got == want, (got, want)
+    print(f"ok greedy {got} {time.time() - t0:.0f}s", flush=True)
+    dec, ids = g.gpu, np.array([7, 1, 12])
+    st = dec.new_state(8)
+    whole = dec.forward(ids, st, all_logits=True)
+    conv, ssm = st.conv.copy_to_host(), st.ssm.copy_to_host()
+    st = dec.new_state(8)
+    steps = np.concatenate([dec.forward(ids[i:i + 1], st) for i in range(len(ids))])
+    assert rel_err(steps, whole) < 1e-5, rel_err(steps, whole)
+    _close(st.conv.copy_to_host(), conv, what="conv state, token by token")
+    _close(st.ssm.copy_to_host(), ssm, what="scan state, token by token")
+    print(f"ok prefill = token by token {time.time() - t0:.0f}s", flush=True)
+    print("SIM DECODER PASSED", flush=True)
+
+
 def _run_sim(*args, timeout=900):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     return subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True,
@@ -160,6 +192,28 @@ def _run_sim(*args, timeout=900):
 def test_simulator_kernels():
     r = _run_sim()
     assert r.returncode == 0 and "SIM KERNELS PASSED" in r.stdout, r.stdout + r.stderr
+
+
+M, A = "linear_attention", "full_attention"
+SIM_MODEL = dict(vocab_size=24, hidden_size=16, intermediate_size=8, shared_intermediate_size=8,
+                 num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                 mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
+# a Mamba layer and an attention layer each: the released shape (NoPE, tied), RoPE with
+# q / k / v / o biases, one B / C group and no conv bias, the dense shared MLP alone
+SIM_CASES = [dict(layer_types=[M, A], position_embedding_type="nope", tie_word_embeddings=True),
+             dict(layer_types=[A, M], position_embedding_type="rope", attention_bias=True,
+                  mamba_n_groups=1, mamba_conv_bias=False, tie_word_embeddings=False),
+             dict(layer_types=[M, A], position_embedding_type="nope", num_local_experts=0)]
+SIM_IDS = ["nope-tied", "rope-biases", "dense"]
+
+
+@pytest.mark.parametrize("over", SIM_CASES, ids=SIM_IDS)
+def test_simulator_decoder(tmp_path, over):
+    # bf16, as the cuda backend builds bf16 expert blocks from a checkpoint
+    from test_granitemoehybrid import build
+    build(tmp_path, "bfloat16", **{**SIM_MODEL, **over})
+    r = _run_sim(str(tmp_path))
+    assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
 
 
 # ---- real GPU -------------------------------------------------------------------------------
@@ -181,7 +235,143 @@ def test_kernels_gpu_release_shapes(t):
         check_norm(rng, t, hm * p, hm * p // g)
 
 
+def _build(dst, **over):
+    from test_granitemoehybrid import build
+    return build(dst, "bfloat16", **over)
+
+
+def _packed(tmp_path, **over):
+    """A tiny model (the released shape, hidden 64, 16 experts, top-4) packed with NVFP4 experts."""
+    from engine.pack import pack
+    from test_granitemoehybrid import CASES
+    _build(tmp_path / "src", **{**CASES[0], "hidden_size": 64, "num_local_experts": 16, "num_experts_per_tok": 4,
+                                **over})
+    pack(tmp_path / "src", tmp_path / "p", "nvfp4", progress=False)
+    return tmp_path / "p"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", range(3), ids=["nope-tied", "rope-biases", "dense"])
+def test_cuda_matches_transformers(tmp_path, case):
+    """tests/test_granitemoehybrid.py's cases (Mamba and attention layers, NoPE or RoPE with
+    biases, the dense shared MLP alone) on cuda: logits and greedy tokens of transformers."""
+    import engine
+    from conftest import check_against
+    from test_granitemoehybrid import CASES
+    over = CASES[case]
+    ref = _build(tmp_path, **over)
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=24)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("resident", [True, False])
+def test_graph_replay_equals_eager(tmp_path, resident):
+    """Graph replay (one graph a token, the recurrent state put back after capture) = eager =
+    the CPU backend, every expert resident or streamed at the VRAM minimum."""
+    from conftest import check_graph_replay_equals_eager
+    ids = np.random.default_rng().integers(0, 300, 20).tolist()
+    check_graph_replay_equals_eager(_packed(tmp_path), ids, resident)
+
+
+@pytest.mark.gpu
+@gpu
+def test_graph_replay_dense(tmp_path):
+    """-h-micro's shape (no routed experts, from the checkpoint folder): graph replay = eager =
+    the CPU backend."""
+    import engine
+    from test_granitemoehybrid import CASES
+    _build(tmp_path, **CASES[2])
+    ids = np.random.default_rng().integers(0, 300, 12).tolist()
+    g = engine.load(tmp_path, device="cuda")
+    a = g.generate(ids, max_new_tokens=16)
+    assert g.gpu._graphs is not None
+    g.gpu.use_graphs = False
+    assert g.generate(ids, max_new_tokens=16).output_ids == a.output_ids
+    assert engine.load(tmp_path, device="cpu").generate(ids, max_new_tokens=16).output_ids == a.output_ids
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("resident", [True, False])
+def test_device_sampling_equals_host_sampling(tmp_path, resident):
+    from conftest import check_device_sampling_equals_host
+    ids = np.random.default_rng().integers(0, 300, 9).tolist()
+    check_device_sampling_equals_host(_packed(tmp_path), ids, resident)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("prefill_chunk", [16, 64])
+def test_prefill_equals_token_by_token(tmp_path, prefill_chunk):
+    """45 tokens in prefill chunks (the GEMM path: 16 or more tokens a chunk) == one token at a
+    time through the graphs, logits and the conv and scan state."""
+    import engine
+    from conftest import rel_err
+    from test_granitemoehybrid import CASES
+    _build(tmp_path, **{**CASES[1], "layer_types": [M, A, M, M]})
+    ids = np.random.default_rng().integers(0, 300, 45)
+    dec = engine.load(tmp_path, device="cuda").gpu
+    dec.prefill_chunk = prefill_chunk
+    st = dec.new_state(64)
+    pre = dec.forward(ids, st, all_logits=True)
+    conv, ssm = st.conv.copy_to_host(), st.ssm.copy_to_host()
+    st = dec.new_state(64)
+    steps = np.concatenate([dec.forward(ids[i:i + 1], st) for i in range(len(ids))])
+    assert rel_err(steps, pre) < 1e-4
+    assert rel_err(st.conv.copy_to_host(), conv) < 1e-4
+    assert rel_err(st.ssm.copy_to_host(), ssm) < 1e-4
+
+
+@pytest.mark.gpu
+@gpu
+def test_streaming_under_tiny_vram_same_tokens(tmp_path):
+    """Streamed under a tiny VRAM budget (one graph a token, the host serving the layers that
+    miss; then the per-layer segments) = every expert resident."""
+    import engine
+    packed = _packed(tmp_path)
+    prompt = np.random.default_rng().integers(0, 300, 40).tolist()
+    big = engine.load(packed, device="cuda")
+    assert big.plan.all_resident
+    a = big.generate(prompt, max_new_tokens=24)
+    bb = big.gpu.res.block_bytes
+    small = engine.load(packed, device="cuda", ram_gb=4 * 5 * bb / 1e9,
+                        vram_gb=(big.plan.vram_used - big.plan.hot_slots * bb) / 1e9, prefill_batch=4)
+    assert small.plan.hot_slots == 0
+    b = small.generate(prompt, max_new_tokens=24)
+    assert a.output_ids == b.output_ids
+    assert b.stats["vram"]["disk_reads"] > 0
+    assert small.gpu._devres and b.stats["vram"]["h2d_wait_s"] > 0
+    small.gpu.device_resolve = False
+    assert small.generate(prompt, max_new_tokens=24).output_ids == a.output_ids
+
+
+@pytest.mark.gpu
+@gpu
+def test_prefix_cache_resumes(tmp_path):
+    """cuda, prefix cache on: a prompt that extends the last generation resumes from the saved
+    conv and scan state and decodes a fresh engine's tokens; the same prompt again prefills
+    nothing."""
+    import engine
+    packed = _packed(tmp_path)
+    m = engine.load(packed, device="cuda", prefix_cache=True)
+    fresh = engine.load(packed, device="cuda")
+    rng = np.random.default_rng()
+    p1 = rng.integers(0, 300, 12).tolist()
+    out1 = m.generate(p1, max_new_tokens=5).output_ids
+    p2 = p1 + out1 + rng.integers(0, 300, 4).tolist()
+    r2 = m.generate(p2, max_new_tokens=6)
+    assert r2.stats["prefill_cached_tokens"] > 0
+    assert r2.output_ids == fresh.generate(p2, max_new_tokens=6).output_ids
+    r3 = m.generate(p2, max_new_tokens=6)
+    assert r3.stats["prefill_cached_tokens"] == len(p2) and r3.output_ids == r2.output_ids
+
+
 if __name__ == "__main__":
     if not SIM:
         sys.exit("run with NUMBA_ENABLE_CUDASIM=1 (or through pytest)")
-    run_sim_kernel_checks()
+    if len(sys.argv) > 1:
+        run_sim_decoder_check(Path(sys.argv[1]))
+    else:
+        run_sim_kernel_checks()
