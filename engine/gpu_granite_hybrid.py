@@ -7,9 +7,9 @@ What it is made of, and why the decode step (graphs, streaming) stays GpuDecoder
   attention layers only, a conv state [Ll, Kc-1, C] and a scan state [Ll, Hm, P, N] float32 for
   the Mamba layers, zeroed per request, saved with the KV rows for the prefix cache, and put back
   around graph capture (its warm-up runs every segment for real).
-- MambaDecoder here: the Mamba-2 mixer (kernels_numba/gpu_mamba.py), x += out_proj(norm(y, z)):
-  in_proj of attn_norm(x) (one launch with the norm fused at decode) -> z | xBC | dt column
-  ranges of one buffer; the causal conv with bias and SiLU in place on xBC; the selective scan
+- MambaDecoder here (engine/gpu_nemotron_h.py's too): the Mamba-2 mixer (kernels_numba/
+  gpu_mamba.py), x += out_proj(norm(y, z)): in_proj of attn_norm(x) (one launch with the norm
+  fused at decode) -> z | xBC | dt column ranges of one buffer; the causal conv with bias and SiLU in place on xBC; the selective scan
   into y; the gated group norm in place; out_proj adding into x. Its derived weights are made
   once at upload (MambaWeights: float32 conv taps [C, Kc] and bias, -exp(A_log), dt_bias, D, the
   norm's weight). Nothing allocated, no host sync: the step is graph-captured as it is.

@@ -1,7 +1,8 @@
-"""The Mamba-2 mixer on the cuda backend: its kernels (kernels_numba/gpu_mamba.py) against the
-numpy oracles in kernels_numba/reference.py on fresh random inputs, outputs poisoned with NaN
-first, and Granite 4.0 hybrid's CUDA decoder (engine/gpu_granite_hybrid.py) against the CPU
-backend and transformers.
+"""The Mamba-2 families on the cuda backend: the mixer's kernels (kernels_numba/gpu_mamba.py) and
+Nemotron-H's ungated relu^2 experts (gpu_experts.expert_mlp_relu2, relu2_up; gpu_misc.relu2)
+against the numpy oracles in kernels_numba/reference.py on fresh random inputs, outputs poisoned
+with NaN first; Granite 4.0 hybrid's and Nemotron-H's CUDA decoders (engine/gpu_granite_hybrid.py,
+engine/gpu_nemotron_h.py) against the CPU backend and transformers.
 - CPU-only CI: test_simulator_kernels() and test_simulator_decoder() run this file as a script
   in a subprocess with NUMBA_ENABLE_CUDASIM=1 (set before numba.cuda is imported), tiny shapes.
 - A GPU (marker gpu): the kernels at granite-4.0-h-small's and Nemotron-3-Nano's shapes, and the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -131,6 +133,88 @@ def check_norm(rng, t, width, group):
     _close(dx.copy_to_host(), want, what="gated group norm in place")
 
 
+def make_ungated_bank(fmt, h, i, slots, rng, scale=0.1):
+    """A device slot bank of `slots` random ungated experts (up, down: Nemotron-H's); returns
+    (bank, layout, decoded (up, down) of each)."""
+    from loader.layout import ExpertLayout
+    from loader.quant import decode_expert_block, encode_expert_block
+    lay = ExpertLayout.build(fmt, h, i, gated=False)
+    blocks, ws = [], []
+    for _ in range(slots):
+        u, d = _rnd(rng, i, h, scale=scale), _rnd(rng, h, i, scale=scale)
+        blocks.append(encode_expert_block(fmt, lay, None, u, d))
+        ws.append(decode_expert_block(blocks[-1], lay)[1:])
+    return cuda.to_device(np.stack(blocks)), lay, ws
+
+
+def _relu2_moe(x, ids, slot_of, wts, ws):
+    """The oracle: sum_k wts[t, k] reference.relu2_expert(x[t]) of token t's experts."""
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for kk in range(ids.shape[1]):
+            out[t] += float(wts[t, kk]) * ref.relu2_expert(x[t:t + 1], *ws[slot_of[int(ids[t, kk])]])[0]
+    return out.astype(np.float32)
+
+
+def check_experts_relu2(fmt, h, i, k, n_exp, rng, variant=""):
+    """Ungated experts for one token (expert_mlp_relu2 over kernel_layout's layout: RAW gate_up,
+    relu2_up, down), weights by slot, accumulating into out."""
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = make_ungated_bank(fmt, h, i, n_exp, rng)
+    lh = ge.kernel_layout(lay)
+    ge.check_layout(fmt, lay.as_array(), k)
+    slot_of = rng.permutation(n_exp).astype(np.int32)
+    ids = rng.choice(n_exp, size=k, replace=False).astype(np.int32)
+    w = rng.random(k).astype(np.float32)
+    x, base = _rnd(rng, h, scale=3.0), _rnd(rng, h)
+    out = cuda.to_device(base)
+    ge.expert_mlp_relu2(fmt, ge.bank_views(dbank), cuda.to_device(lh), lh, cuda.to_device(slot_of[ids]),
+                        cuda.to_device(w), cuda.to_device(x), _nan((2 * k, i)), out, stream,
+                        accumulate=True, variant=variant)
+    stream.synchronize()
+    exp = _relu2_moe(x[None], ids[None], slot_of, w[None], ws)[0]
+    return _close(out.copy_to_host(), exp + base, what=f"expert_mlp_relu2 {fmt} {variant}")
+
+
+def check_grouped_relu2(fmt, h, i, k, t, n_exp, rng):
+    """Ungated experts over t tokens: the tiled grouped kernels in two batches of groups (as
+    the engine runs them), relu2_up between gate_up and down, then the combine."""
+    from kernels_numba import gpu_experts as ge
+    stream = cuda.stream()
+    dbank, lay, ws = make_ungated_bank(fmt, h, i, n_exp, rng)
+    lh = ge.kernel_layout(lay)
+    slot_of = rng.permutation(n_exp).astype(np.int32)
+    ids, wts = ref.router_topk(_rnd(rng, t, n_exp), k, True)
+    ids = ids.astype(np.int32)
+    gslot, gstart, order, aw, pos = ge.group_assignments(ids, wts, lambda e: slot_of[e])
+    x = _rnd(rng, t, h, scale=3.0)
+    a = t * k
+    act, y = _nan((2 * a, i)), _nan((a, h))
+    d = {n: cuda.to_device(v) for n, v in (("gslot", gslot), ("gstart", gstart), ("order", order), ("aw", aw))}
+    n_g = len(np.unique(ids))
+    for g0, g1 in ((0, n_g // 2), (n_g // 2, n_g)):
+        ge.grouped_gate_up_down(fmt, ge.bank_views(dbank), cuda.to_device(lh), lh, d["gslot"][g0:g1],
+                                d["gstart"][g0:g1 + 1], d["order"], d["aw"], cuda.to_device(x), act, y, stream,
+                                clamp=lambda a, s, lo=int(gstart[g0]), hi=int(gstart[g1]): ge.relu2_up(a, s, lo, hi))
+    out = _nan((t, h))
+    ge.combine(y, cuda.to_device(pos), out, stream)
+    stream.synchronize()
+    return _close(out.copy_to_host(), _relu2_moe(x, ids, slot_of, wts, ws),
+                  what=f"grouped relu2 {fmt}")
+
+
+def check_relu2(rng, n=37):
+    """gm.relu2 in place (the dense MLP's and the shared expert's activation)."""
+    from kernels_numba import gpu_misc as gm
+    stream = cuda.stream()
+    x = _rnd(rng, n)
+    dx = cuda.to_device(x)
+    gm.relu2(dx, stream)
+    stream.synchronize()
+    _close(dx.copy_to_host(), np.maximum(x.astype(np.float64), 0.0) ** 2, what="relu2")
+
+
 # ---- simulator (CI) -------------------------------------------------------------------------
 
 def run_sim_kernel_checks() -> None:
@@ -148,19 +232,33 @@ def run_sim_kernel_checks() -> None:
     check_norm(rng, 3, 32, 8)
     check_norm(rng, 2, 150, 75)        # a group longer than the block
     print(f"ok norm {time.time() - t0:.0f}s", flush=True)
+    # ungated experts: each format's RAW decode kernels (and a flat one for nvfp4), the tiled
+    # grouped kernels; H and I not multiples of the tiles
+    for fmt, h, i in (("nvfp4", 44, 22), ("fp8", 40, 24), ("bf16", 36, 20)):
+        check_experts_relu2(fmt, h, i, 3, 5, rng)
+        check_grouped_relu2(fmt, h, i, 2, 7, 5, rng)
+    check_experts_relu2("nvfp4", 40, 24, 3, 5, rng, variant="tab-g2j1-d2j1")
+    check_relu2(rng)
+    print(f"ok relu2 experts {time.time() - t0:.0f}s", flush=True)
     print("SIM KERNELS PASSED", flush=True)
 
 
+DECODERS = {"granitemoehybrid": "GpuGraniteHybridDecoder", "nemotron_h": "GpuNemotronHDecoder"}
+
+
 def run_sim_decoder_check(model: Path) -> None:
-    """The eager GpuGraniteHybridDecoder against the CPU backend on a tiny model: a 2-token
-    prefill's logits, a greedy step from its state saved and restored (the prefix cache's path:
-    conftest.eager_decoder_matches_cpu); greedy tokens of the engine (the device sampler); a
-    prefill = the same tokens one at a time, logits and the conv and scan state."""
+    """The eager decoder of the model's family (DECODERS) against the CPU backend on a tiny
+    model: a 2-token prefill's logits, a greedy step from its state saved and restored (the prefix
+    cache's path: conftest.eager_decoder_matches_cpu); greedy tokens of the engine (the device
+    sampler); a prefill = the same tokens one at a time, logits and the conv and scan state."""
+    import json
+
     import engine
     from conftest import eager_decoder_matches_cpu, rel_err
+    want = DECODERS[json.loads((model / "config.json").read_text())["model_type"]]
 
     def setup(dec):
-        assert type(dec).__name__ == "GpuGraniteHybridDecoder", type(dec).__name__
+        assert type(dec).__name__ == want, type(dec).__name__
     eager_decoder_matches_cpu(model, setup)
     t0 = time.time()
     g = engine.load(model, device="cuda")
@@ -207,13 +305,44 @@ SIM_CASES = [dict(layer_types=[M, A], position_embedding_type="nope", tie_word_e
 SIM_IDS = ["nope-tied", "rope-biases", "dense"]
 
 
-@pytest.mark.parametrize("over", SIM_CASES, ids=SIM_IDS)
-def test_simulator_decoder(tmp_path, over):
+# Nemotron-H: a block of each kind (Mamba, attention, MoE with the shared expert, dense MLP)
+NEMOTRON_SIM = dict(vocab_size=24, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                    intermediate_size=8, mamba_num_heads=4, mamba_head_dim=4, ssm_state_size=8, n_groups=2,
+                    conv_kernel=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                    moe_shared_expert_intermediate_size=8, hybrid_override_pattern="M*E-", n_group=2, topk_group=1)
+
+
+@pytest.mark.parametrize("family,over", [("granitemoehybrid", o) for o in SIM_CASES] + [("nemotron_h", {})],
+                         ids=SIM_IDS + ["nemotron_h"])
+def test_simulator_decoder(tmp_path, family, over):
     # bf16, as the cuda backend builds bf16 expert blocks from a checkpoint
-    from test_granitemoehybrid import build
-    build(tmp_path, "bfloat16", **{**SIM_MODEL, **over})
+    if family == "nemotron_h":
+        from test_nemotron_h import build
+        build(tmp_path, "bfloat16", **{**NEMOTRON_SIM, **over})
+    else:
+        from test_granitemoehybrid import build
+        build(tmp_path, "bfloat16", **{**SIM_MODEL, **over})
     r = _run_sim(str(tmp_path))
     assert r.returncode == 0 and "SIM DECODER PASSED" in r.stdout, r.stdout + r.stderr
+
+
+def test_latent_experts_run_on_the_cpu(monkeypatch):
+    """Nemotron-3-Super's latent experts: --device cuda refuses them by name, auto runs them on
+    the CPU (saying why) with a GPU that works; the cuda decoder refuses them too."""
+    from engine import runtime
+    from engine.models import family_of
+    from test_nemotron_h import TINY
+    monkeypatch.setattr(runtime, "cuda_status", lambda: (True, ""))
+    cfg = {"model_type": "nemotron_h", **TINY, "hybrid_override_pattern": "M*E"}
+    c, latent = family_of(cfg).config, family_of({**cfg, "moe_latent_size": 12}).config
+    assert runtime.pick_device("cuda", "nemotron_h", c) == "cuda"
+    why = "the cuda backend does not run nemotron_h's latent experts (moe_latent_size) yet"
+    with pytest.raises(RuntimeError, match=rf"--device cuda: {re.escape(why)}"):
+        runtime.pick_device("cuda", "nemotron_h", latent)
+    assert runtime.pick_device("auto", "nemotron_h", latent) == "cpu"
+    from engine.gpu_nemotron_h import GpuNemotronHDecoder
+    with pytest.raises(ValueError, match=re.escape(why + "; --device cpu runs it")):
+        GpuNemotronHDecoder(latent, None, None, None, None)
 
 
 # ---- real GPU -------------------------------------------------------------------------------
@@ -366,6 +495,55 @@ def test_prefix_cache_resumes(tmp_path):
     assert r2.output_ids == fresh.generate(p2, max_new_tokens=6).output_ids
     r3 = m.generate(p2, max_new_tokens=6)
     assert r3.stats["prefill_cached_tokens"] == len(p2) and r3.output_ids == r2.output_ids
+
+
+NEMOTRON_GPU = ["nano-pattern", "legacy-names"]   # tests/test_nemotron_h.py's CASES but Super's latent one
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", NEMOTRON_GPU)
+def test_nemotron_h_cuda_matches_transformers(tmp_path, case):
+    """Nemotron-H on cuda (every block kind, ungated relu^2 experts from a checkpoint's bf16
+    blocks): logits and greedy tokens of transformers."""
+    import engine
+    from conftest import check_against
+    from test_nemotron_h import CASES, IDS, build
+    ref = build(tmp_path, "bfloat16", **CASES[IDS.index(case)])
+    check_against(ref, engine.load(tmp_path, device="cuda"), n_ids=24)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("resident", [True, False])
+def test_nemotron_h_graph_replay_and_streaming(tmp_path, resident):
+    """An ungated NVFP4 arena (16 experts, top-4): graph replay = eager = the CPU backend, every
+    expert resident or streamed at the VRAM minimum."""
+    from conftest import check_packed_graph_replay
+    from test_nemotron_h import CASES, build
+    check_packed_graph_replay(tmp_path, resident, build, "bfloat16", **CASES[0], hidden_size=64,
+                              n_routed_experts=16, num_experts_per_tok=4)
+
+
+@pytest.mark.gpu
+@gpu
+def test_nemotron_h_prefill_equals_token_by_token(tmp_path):
+    """45 tokens in prefill chunks of 16 (the GEMM and tiled grouped expert paths) == one token
+    at a time through the graphs, logits and the conv and scan state."""
+    import engine
+    from conftest import rel_err
+    from test_nemotron_h import CASES, build
+    build(tmp_path, "bfloat16", **CASES[0])
+    ids = np.random.default_rng().integers(0, 300, 45)
+    dec = engine.load(tmp_path, device="cuda").gpu
+    dec.prefill_chunk = 16
+    st = dec.new_state(64)
+    pre = dec.forward(ids, st, all_logits=True)
+    ssm = st.ssm.copy_to_host()
+    st = dec.new_state(64)
+    steps = np.concatenate([dec.forward(ids[i:i + 1], st) for i in range(len(ids))])
+    assert rel_err(steps, pre) < 1e-4
+    assert rel_err(st.ssm.copy_to_host(), ssm) < 1e-4
 
 
 if __name__ == "__main__":
