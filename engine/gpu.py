@@ -66,9 +66,10 @@ def clamped(c) -> bool:
 def raw_act(c) -> bool:
     """The experts' act scratch holds the RAW gate and up sums, [2A, I]: gpt-oss's clamped
     SwiGLU, clamps without biases (GpuDecoder._limit: Step-3.5's limits, MiniMax-M3's
-    swiglu_limit), or Llama 4's routing weights on the experts' inputs (gx.scaled_swiglu)."""
+    swiglu_limit), Llama 4's routing weights on the experts' inputs (gx.scaled_swiglu), or
+    ungated experts (Nemotron-H's relu^2: the up sums twice, gx.expert_mlp_relu2)."""
     return (getattr(c, "swiglu_limit", None) is not None or any(getattr(c, "limits", ()))
-            or c.routing == "sigmoid_input")
+            or c.routing == "sigmoid_input" or not c.gated_experts)
 
 
 def dense_keys(c, extra_per_layer=(), attn=None) -> list:
@@ -274,7 +275,7 @@ class GpuDecoder:
         self.plan = plan
         self.fmt = layout.fmt
         gx.check_layout(self.fmt, layout.as_array(), c.top_k)
-        self.lay_h = layout.as_array()
+        self.lay_h = gx.kernel_layout(layout)   # (an ungated layout's gate sections: its up's)
         self.lay = cuda.to_device(self.lay_h)
         self._w = {}
         self._weight = weight
@@ -693,6 +694,9 @@ class GpuDecoder:
             gx.expert_mlp_limited(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0],
                                   b.h[0], b.act[:2 * c.top_k], out, limit, cs,
                                   after=True, accumulate=True, alpha=self.swiglu_alpha)
+        elif not c.gated_experts:   # Nemotron-H: down(relu(up x)^2)
+            gx.expert_mlp_relu2(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0],
+                                b.h[0], b.act[:2 * c.top_k], out, cs, accumulate=True)
         else:
             gx.expert_mlp(self.fmt, self.views, self.lay, self.lay_h, self.slots_d[l], b.w[0], b.h[0],
                           b.act[:c.top_k], out, cs, accumulate=True)
@@ -1151,7 +1155,8 @@ class GpuDecoder:
         pos = b.pos[:t]
         self._rotate_store(l, q3, k3, v3, pos, st)
         att3 = b.att[:t].reshape(t, c.n_heads, c.head_dim)
-        ga.attention(q3, st.k[l], st.v[l], pos, c.qk_scale, att3,
+        kc, vc = self._cache(l, st)
+        ga.attention(q3, kc, vc, pos, c.qk_scale, att3,
                      _partials(b.partials, t, c.n_heads), cs, self._window(l), sinks=self._sinks(l))
         return b.att[:t]
 
@@ -1169,9 +1174,10 @@ class GpuDecoder:
         freq, scale = self.inv_freq, c.rope.attention_factor
         if l in c.nope_layers:
             freq, scale = self.no_freq, 1.0
+        kc, vc = self._cache(l, st)
         if c.qk_norm == "head":   # per-head norms, RoPE of q and k and the cache store: one launch
             gd.qk_norm_rope(q3, k3, self.w("q_norm", l), self.w("k_norm", l), c.rms_eps, pos,
-                            freq, scale, cs, cache=(v3, st.k[l], st.v[l]))
+                            freq, scale, cs, cache=(v3, kc, vc))
         else:
             gd.rope(q3, pos, freq, cs, scale)
             gd.rope(k3, pos, freq, cs, scale)
@@ -1179,7 +1185,12 @@ class GpuDecoder:
                 for a, key in ((q3, "q_norm"), (k3, "k_norm")):
                     a2 = a.reshape(-1, c.head_dim)
                     gd.rmsnorm(a2, self.w(key, l), c.rms_eps, a2, cs)
-            gm.kv_store(k3, v3, st.k[l], st.v[l], pos, cs)
+            gm.kv_store(k3, v3, kc, vc, pos, cs)
+
+    def _cache(self, l, st) -> tuple:
+        """Layer l's K and V cache in st, [S_max, Hkv, D] each (a hybrid's state holds its
+        attention layers' only: engine/gpu_hybrid.py RecurrentDecoder)."""
+        return st.k[l], st.v[l]
 
     def _sinks(self, l):
         """Layer l's attention-sink logits [Hq] on the device, or None: gpt-oss's."""
@@ -1306,7 +1317,7 @@ class GpuDecoder:
         a = t * c.top_k
         act, clamp, limit, wts = b.act[:a], None, self._limit(l), dev.wts
         scaled = c.routing == "sigmoid_input"
-        if clamped(c) or limit or scaled:   # act [2A, I]: the RAW gate and up sums
+        if clamped(c) or limit or scaled or not c.gated_experts:   # act [2A, I]: the RAW gate and up sums
             act = b.act[:2 * a]
         if scaled:   # Llama 4: the weights scale the sums, the down projections add with 1s
             if self.ones_a.shape[0] < a:
@@ -1333,6 +1344,9 @@ class GpuDecoder:
             elif scaled:
                 def clamp(act, s, lo=lo, hi=hi):
                     gx.scaled_swiglu(act, dev.wts, s, lo, hi)
+            elif not c.gated_experts:
+                def clamp(act, s, lo=lo, hi=hi):
+                    gx.relu2_up(act, s, lo, hi)
             gx.grouped_gate_up_down(self.fmt, self.views, self.lay, self.lay_h, gslot_d[g0:g1],
                                     dev.gstart[g0:g1 + 1], dev.order, wts, b.h[:t], act,
                                     b.y[:a], cs, clamp=clamp)

@@ -10,12 +10,14 @@ What changes against GpuDecoder, and why it keeps its decode step (graphs, strea
   with k and v as one [q | gate | k | v] matrix (one launch projects a decode token);
   conv taps as [C, Kc]; -exp(A_log).
 - run state: KV cache only for the full-attention layers; conv state [Ll, Kc-1, C] and the
-  recurrent state [Ll, Nv, Dk, Dv] float32, zeroed per request (no allocation).
+  recurrent state [Ll, Nv, Dk, Dv] float32, zeroed per request (no allocation): RecurrentDecoder,
+  which engine/gpu_granite_hybrid.py's Mamba-2 layers share.
 - the gated delta rule: the token scan at decode (graph-captured) and for short prefill chunks,
   the chunked kernel for prefill chunks of chunked_min_t tokens and more (the same recurrence).
 - the shared expert is the base decoder's (GpuDecoder._shared_expert, gated: shared_gated).
 - graph capture runs every segment once for real: the recurrent state is saved before and put
-  back after, since unlike the KV cache it has no unused row to absorb the warm-up.
+  back after (RecurrentDecoder._capture), since unlike the KV cache it has no unused row to
+  absorb the warm-up.
 Legend: T = tokens, H = hidden, D = attention head dim, Hq / Hkv = attention heads,
 Nk / Nv = DeltaNet key / value heads, Dk / Dv = their head dims, C = conv channels
 (2 Nk Dk + Nv Dv), Kc = conv width, Is = shared expert intermediate, S = cached positions.
@@ -85,11 +87,12 @@ class HybridWeights:
 
 
 def state_bytes(c, max_context: int, kv_itemsize: int = 4) -> int:
-    """Device bytes of a sequence's state: KV cache of the full-attention layers (kv_itemsize
-    bytes a value), float32 conv and recurrent state of the DeltaNet layers."""
+    """Device bytes of a sequence's state (GpuHybridState): KV cache of the full-attention layers
+    (kv_itemsize bytes a value), float32 conv and recurrent state of the linear ones (DeltaNet's,
+    or another recurrent mixer's: c.ssm_shape)."""
     ll = len(c.linear_layers)
     return (kv_itemsize * 2 * len(c.full_layers) * max_context * c.kv_dim
-            + 4 * ll * ((c.conv_kernel - 1) * c.conv_dim + c.lin_v_heads * c.lin_k_dim * c.lin_v_dim))
+            + 4 * ll * ((c.conv_kernel - 1) * c.conv_dim + int(np.prod(c.ssm_shape))))
 
 
 def run_state_bytes(c, t: int, max_context: int) -> int:
@@ -119,7 +122,8 @@ class HybridBuffers(Buffers):
 
 class GpuHybridState:
     """k, v: per full-attention layer [S_max, Hkv, D] (kv_dtype: float32 or uint16 bf16 bits);
-    conv [Ll, Kc-1, C]; ssm [Ll, Nv, Dk, Dv] float32."""
+    conv [Ll, Kc-1, C]; ssm [Ll, *c.ssm_shape] float32 (DeltaNet's [Nv, Dk, Dv], Mamba-2's
+    [Hm, P, N])."""
 
     def __init__(self, c, max_context: int, kv_dtype=np.float32):
         self.max_context = max_context
@@ -128,7 +132,7 @@ class GpuHybridState:
         self.v = [cuda.device_array((s, c.n_kv_heads, c.head_dim), kv_dtype) for _ in c.full_layers]
         ll = max(len(c.linear_layers), 1)
         self.conv = cuda.device_array((ll, c.conv_kernel - 1, c.conv_dim), f)
-        self.ssm = cuda.device_array((ll, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), f)
+        self.ssm = cuda.device_array((ll, *c.ssm_shape), f)
         self.pos = 0
 
     def save_nbytes(self, keep: int) -> int:
@@ -145,12 +149,48 @@ class GpuHybridState:
         self.ssm.copy_to_device(saved["ssm"], stream=stream)
 
 
-class GpuHybridDecoder(GpuDecoder):
-    fuse_qkv = False          # the attention projections are fused here, with the gate rows
+class RecurrentDecoder(GpuDecoder):
+    """GpuDecoder over a stack of attention layers and linear ones with a conv and a recurrent
+    state (c.full_layers, c.linear_layers): the run state is GpuHybridState, a layer's part of
+    it its slot (self.slot: its index among the layers of its kind), the conv and recurrent
+    state zeroed per request and put back around graph capture. The hybrids' decoders
+    (GpuHybridDecoder, gpu_granite_hybrid's) run their linear layers' mixers on it."""
     pipelines = False         # an extra token would advance the recurrent state past st.pos
     rewinds = False           # the recurrent state holds every position up to st.pos
-    buffers_cls = HybridBuffers
     state_cls = GpuHybridState
+
+    def __init__(self, c, weight, *args, **kw):
+        super().__init__(c, weight, *args, **kw)
+        # each layer's index in the state of its kind
+        self.slot = {l: i for kind in (c.full_layers, c.linear_layers) for i, l in enumerate(kind)}
+
+    def _cache(self, l, st) -> tuple:
+        s = self.slot[l]
+        return st.k[s], st.v[s]
+
+    def new_state(self, max_context: int):
+        st = super().new_state(max_context)
+        gm.zero(st.conv.reshape(-1), self.cs)
+        gm.zero(st.ssm.reshape(-1), self.cs)
+        return st
+
+    def _capture(self, st):
+        """GpuDecoder._capture, whose warm-up runs every segment once for real: the recurrent
+        state is saved before and put back after, since unlike the KV cache it has no unused
+        row to absorb the warm-up."""
+        cs = self.cs
+        saved = [(a, cuda.device_array_like(a)) for a in (st.conv, st.ssm)]
+        for a, keep in saved:
+            keep.copy_to_device(a, stream=cs)
+        super()._capture(st)
+        for a, keep in saved:
+            a.copy_to_device(keep, stream=cs)
+        cs.synchronize()
+
+
+class GpuHybridDecoder(RecurrentDecoder):
+    fuse_qkv = False          # the attention projections are fused here, with the gate rows
+    buffers_cls = HybridBuffers
 
     @staticmethod
     def dense_keys(c) -> list:   # HybridWeights' keys
@@ -160,8 +200,6 @@ class GpuHybridDecoder(GpuDecoder):
 
     def __init__(self, c, weight, *args, **kw):
         super().__init__(c, HybridWeights(c, weight), *args, **kw)
-        # each layer's index in the state of its kind
-        self.slot = {l: i for kind in (c.full_layers, c.linear_layers) for i, l in enumerate(kind)}
         # prefill chunks of this many tokens or more run the chunked delta rule, shorter ones and
         # decode (T = 1, the captured graphs) the token scan; None: Dk too large for its shared arrays
         self.chunked_min_t = gdn.CH_MIN_T if c.lin_k_dim <= gdn.CH_DK else None
@@ -174,12 +212,6 @@ class GpuHybridDecoder(GpuDecoder):
         if r is not None:
             return super().w("attn_qgkv", layer)[r[0]:r[1]]
         return super().w(key, layer)
-
-    def new_state(self, max_context: int):
-        st = super().new_state(max_context)
-        gm.zero(st.conv.reshape(-1), self.cs)
-        gm.zero(st.ssm.reshape(-1), self.cs)
-        return st
 
     # ---- token mixers ----------------------------------------------------------------------
 
@@ -211,11 +243,11 @@ class GpuHybridDecoder(GpuDecoder):
         v3 = v.reshape(t, c.n_kv_heads, d)
         pos = b.pos[:t]
         # norms are stored as 1 + w already; rope covers the rotary dims of inv_freq only
-        s = self.slot[l]
+        kc, vc = self._cache(l, st)
         gd.qk_norm_rope(q3, k3, self.w("q_norm", l), self.w("k_norm", l), c.rms_eps, pos,
-                        self.inv_freq, c.rope.attention_factor, cs, cache=(v3, st.k[s], st.v[s]))
+                        self.inv_freq, c.rope.attention_factor, cs, cache=(v3, kc, vc))
         att = b.att[:t]
-        ga.attention(q3, st.k[s], st.v[s], pos, d ** -0.5, att.reshape(t, c.n_heads, d),
+        ga.attention(q3, kc, vc, pos, d ** -0.5, att.reshape(t, c.n_heads, d),
                      _partials(b.partials, t, c.n_heads), cs)
         gdn.sigmoid_gate(att, gate, cs)
         self._linear_add(self.w("o", l), att, b.o[:t], x)
@@ -239,15 +271,3 @@ class GpuHybridDecoder(GpuDecoder):
         gdn.rmsnorm_gated(o, z, self.w("dn_norm", l), c.rms_eps, o, cs)
         self._linear(self.w("dn_out", l), o, b.o[:t])
         gd.add(x.reshape(-1), b.o[:t].reshape(-1), x.reshape(-1), cs)
-
-    # ---- graphs ----------------------------------------------------------------------------
-
-    def _capture(self, st):
-        cs = self.cs
-        saved = [(a, cuda.device_array_like(a)) for a in (st.conv, st.ssm)]
-        for a, keep in saved:
-            keep.copy_to_device(a, stream=cs)
-        super()._capture(st)
-        for a, keep in saved:
-            a.copy_to_device(keep, stream=cs)
-        cs.synchronize()

@@ -182,7 +182,8 @@ class CheckpointBlocks:
 
     def get(self, layer: int, expert: int) -> np.ndarray:
         from loader.quant import encode_expert_block
-        g, u, d = (self.ck.get_f32(n) for n in expert_names(self.family, layer, expert))
+        g, u, d = (self.ck.get_f32(n) if n else None   # no gate: an ungated layout
+                   for n in expert_names(self.family, layer, expert))
         return encode_expert_block("bf16", self.layout, g, u, d, f"layer {layer} expert {expert}")
 
 
@@ -219,7 +220,7 @@ GPU_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dots1
                 "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
                 "glm4_moe_lite", "minimax_m2", "qwen3_vl_moe", "ernie4_5_moe", "kimi_k25",
                 "deepseek_v32", "glm_moe_dsa", "exaone_moe", "step3p5", "step3p7", "cohere2_moe",
-                "granitemoe", "granitemoeshared", "granitemoe_swa",
+                "granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid", "nemotron_h",
                 "minimax_m3_vl", "llama4", "llama4_text", "solar_open", "hunyuan_v1_moe",
                 "mimo_v2_flash", "afmoe", "glm4v_moe", "qwen3_omni_moe", "ernie4_5_vl_moe",
                 "minicpm5_moe", "flex_olmo", "phimoe", "dbrx", "hy_v3", "mistral4")
@@ -237,6 +238,8 @@ GPU_DECODERS = {
     "granitemoe": ("gpu_granitemoe", "GpuGraniteMoeDecoder"),  # the multipliers, granitemoe_swa's sinks
     "granitemoeshared": ("gpu_granitemoe", "GpuGraniteMoeDecoder"),
     "granitemoe_swa": ("gpu_granitemoe", "GpuGraniteMoeDecoder"),
+    "granitemoehybrid": ("gpu_granite_hybrid", "GpuGraniteHybridDecoder"),   # Mamba-2 layers, the multipliers
+    "nemotron_h": ("gpu_nemotron_h", "GpuNemotronHDecoder"),   # single-mixer blocks, relu^2 experts
     "minicpm5_moe": ("gpu_minicpm", "GpuMinicpmDecoder"),      # the gate from q_proj
     "flex_olmo": ("gpu_flex_olmo", "GpuFlexOlmoDecoder"),      # norms after attention and the MLP only
     "phimoe": ("gpu_phimoe", "GpuPhimoeDecoder"),              # LayerNorms with bias, sparsemixer routing
@@ -244,13 +247,24 @@ GPU_DECODERS = {
 }
 
 
-def pick_device(device: str, family: str) -> str:
-    """auto -> cuda when a GPU works and the family runs there, cpu otherwise (saying which)."""
+def cuda_lacks(c) -> str:
+    """What of config c the cuda backend does not run though its family runs there ("" if
+    nothing): Nemotron-3-Super's latent experts (nemotron_h's moe_latent_size)."""
+    if getattr(c, "latent", 0):
+        return f"the cuda backend does not run {c.family}'s latent experts (moe_latent_size) yet"
+    return ""
+
+
+def pick_device(device: str, family: str, config=None) -> str:
+    """auto -> cuda when a GPU works and the family runs there (and config, if given, has
+    nothing cuda_lacks), cpu otherwise (saying which)."""
     if device == "cpu":
         return "cpu"
     ok, reason = cuda_status()
     if ok and family not in GPU_FAMILIES:
         ok, reason = False, f"the cuda backend does not run {family} yet"
+    if ok and config is not None and cuda_lacks(config):
+        ok, reason = False, cuda_lacks(config)
     if device == "cuda":
         if not ok:
             raise RuntimeError(f"--device cuda: {reason}")
@@ -310,7 +324,7 @@ class Engine:
         self.dir: Path = ck.dir
         fam = family_of(ck.config)
         self.config = c = fam.config
-        self.device = pick_device(device, c.family)
+        self.device = pick_device(device, c.family, c)
         self.cores = plan_cores(decode_core, reader_cores, self.device)
         for prefix, what in getattr(c, "ignored_parts", ()):   # e.g. a vision tower, MTP layers
             n = sum(1 for t in ck.tensors if t.startswith(prefix))
@@ -385,7 +399,7 @@ class Engine:
         if self.packed:
             layout, host = self.experts.arena.layout, self.experts
         else:  # experts straight from the checkpoint: bf16 blocks built on demand
-            layout = ExpertLayout.build("bf16", c.hidden, c.moe_intermediate)
+            layout = ExpertLayout.build("bf16", c.expert_hidden, c.moe_intermediate, c.gated_experts)
             host = CheckpointBlocks(self.checkpoint, c.family, layout)
         if vram_gb is None:
             try:
@@ -416,7 +430,10 @@ class Engine:
             mod, cls = GPU_DECODERS.get(c.family, ("gpu", "GpuDecoder"))
             g = importlib.import_module(f"engine.{mod}")
             Decoder = getattr(g, cls)
-            kv = 2 * c.n_layers * self.max_context * c.kv_dim * self.kv_itemsize
+            if hasattr(g, "state_bytes"):   # a state of its own (gpu_granite_hybrid: KV rows of
+                kv = g.state_bytes(c, self.max_context, self.kv_itemsize)   # some layers, Mamba state)
+            else:
+                kv = 2 * c.n_layers * self.max_context * c.kv_dim * self.kv_itemsize
         chunk = g.pick_prefill_chunk(c, self.max_context, vram * 1e9)
         run_state = g.run_state_bytes(c, chunk, self.max_context)
         total_experts = len(c.moe_layers) * c.n_experts

@@ -31,6 +31,10 @@ gpt-oss (biased experts, clamped SwiGLU): the flat, pipelined, q and tiled gate_
 a RAW build that stores the gate and up sums; clamped_swiglu and expert_bias_add do the rest
 (expert_mlp_clamped, grouped_gate_up_down(clamp=); see their section). Step-3.5's clamped
 experts without biases take the same RAW sums through limited_swiglu (expert_mlp_limited).
+Ungated experts (Nemotron-H's down(relu(up x)^2)) run the same RAW kernels over kernel_layout's
+layout, whose gate sections are the up sections: the gate_up kernels compute the up sums twice
+and relu2_up squares the second copy (expert_mlp_relu2): correct in every kernel family, at the
+cost of reading each expert's up rows twice, where an up-only build would read them once.
 """
 from __future__ import annotations
 
@@ -1592,6 +1596,44 @@ def scaled_swiglu(act, scale, stream, lo=0, hi=None):
         _scaled_swiglu[(cdiv(i, THREADS), hi - lo), THREADS, stream](act, scale, int32(lo))
 
 
+@pdl_kernel
+@cuda.jit
+def _relu2_up(act, lo):
+    """grid (cdiv(I, THREADS), rows); row a = lo + blockIdx.y."""
+    pdl_wait()
+    pdl_trigger()
+    A = act.shape[0] >> 1
+    I = act.shape[1]
+    a = lo + cuda.blockIdx.y
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if r < I:
+        u = max(act[A + a, r], float32(0.0))
+        act[a, r] = u * u
+
+
+def relu2_up(act, stream, lo=0, hi=None):
+    """act float32 [2A, I] (RAW sums of an ungated layout: kernel_layout's, the up sums in rows
+    A + a) -> act[a] = relu(up)^2 for rows lo <= a < hi (default all): Nemotron-H's activation
+    (reference.relu2_expert's)."""
+    a2, i = act.shape
+    hi = a2 // 2 if hi is None else hi
+    if a2 % 2:
+        raise ValueError(f"relu2_up: act {act.shape} must hold 2A rows")
+    if hi > lo:
+        _relu2_up[(cdiv(i, THREADS), hi - lo), THREADS, stream](act, int32(lo))
+
+
+def kernel_layout(layout) -> np.ndarray:
+    """The int64 [10] layout the kernels read (ExpertLayout.as_array()); an ungated layout's
+    gate sections are its up sections, so the RAW gate_up kernels give the up sums in both
+    halves of act (relu2_up reads the up half; an NVFP4 block's gate global scale, which
+    such a block does not use, scales only the other)."""
+    a = layout.as_array()
+    if not layout.gated:
+        a[0:2] = a[2:4]
+    return a
+
+
 def expert_bias_add(out, ids, weights, bias, stream):
     """out float32 [T, H] += sum_k weights[t, k] * down_b of expert ids[t, k] (bias float32
     [E, 2I + H], the last H columns); ids int32, weights float32 [T, K]."""
@@ -2274,6 +2316,17 @@ def expert_mlp_limited(fmt, views, lay, lay_host, slots, weights, x, act, out, l
     limited_swiglu(act, limit, stream, after=after, alpha=alpha)
     expert_down(fmt, views, lay, lay_host, slots, weights, act[:k], out, stream, accumulate,
                 variant)
+
+
+def expert_mlp_relu2(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, accumulate=False,
+                     variant=""):
+    """Ungated experts, down(relu(up x)^2), for one token (expert_mlp's contract): lay from
+    kernel_layout (gate sections = up sections), act float32 [2K, I] scratch; RAW gate_up,
+    relu2_up, down: three launches, nothing allocated, no sync."""
+    k = slots.shape[0]
+    expert_gate_up(fmt, views, lay, lay_host, slots, x, act, stream, variant, raw=True)
+    relu2_up(act, stream)
+    expert_down(fmt, views, lay, lay_host, slots, weights, act[:k], out, stream, accumulate, variant)
 
 
 def expert_mlp(fmt, views, lay, lay_host, slots, weights, x, act, out, stream, accumulate=False,

@@ -186,6 +186,23 @@ def silu_mul(g, u, out, stream, limit=0.0, after=False, alpha=0.0):
 
 @pdl_kernel
 @cuda.jit
+def _relu2(x):
+    pdl_wait()
+    pdl_trigger()
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        a = max(x[i], float32(0.0))
+        x[i] = a * a
+
+
+def relu2(x, stream):
+    """x [n] = relu(x)^2 in place (1-D views): Nemotron-H's dense MLP and shared expert
+    activation (reference.relu2_expert's)."""
+    _relu2[cdiv(x.shape[0], THREADS), THREADS, stream](x)
+
+
+@pdl_kernel
+@cuda.jit
 def _zero(x):
     pdl_wait()
     pdl_trigger()

@@ -4,7 +4,8 @@ group norm; A_log, dt_bias, D and the norms away from their init) beside attenti
 RoPE or without (NoPE, as released), each followed by Granite MoE's softmax top-k experts and the
 shared expert, or the shared MLP alone (num_local_experts 0, -h-micro); Granite's four multipliers
 away from 1 (random each run); the releases' tensor and layer-type names; prefill against
-token-by-token decode, the prefix cache, a bf16 arena, config refusals, the cuda refusal."""
+token-by-token decode, the prefix cache, a bf16 arena, config refusals. The cuda decoder
+(engine/gpu_granite_hybrid.py): tests/test_gpu_mamba.py."""
 from __future__ import annotations
 
 import json

@@ -3,7 +3,7 @@ models: Mamba-2 mixers (conv with its state, the selective scan with groups, the
 attention without RoPE, ungated relu^2 experts with sigmoid routing and a shared expert, dense
 relu^2 MLP layers, Super's latent MoE projection; prefill against token-by-token decode, the
 prefix cache, an ungated bf16 arena, the Mamba kernels and the relu^2 expert against their
-numpy oracles, config refusals."""
+numpy oracles, config refusals. The cuda decoder (engine/gpu_nemotron_h.py): tests/test_gpu_mamba.py."""
 from __future__ import annotations
 
 import json
