@@ -302,6 +302,12 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
          { run hy3 tests/test_hy_v3.py; run mistral4 tests/test_mistral4.py; } &
          { run mla tests/test_mla_cuda.py; run engine tests/test_gpu_engine.py -k "stream or gather"; } &
          wait ;;
+    s34) # Mamba-2 on cuda (2026-12-07, not yet run): Granite 4.0 hybrid and Nemotron-H parity with
+         # transformers, graph replay (the state saved and put back around capture), prefill past
+         # 16 tokens (the GEMM and tiled grouped kernels), streaming = all resident, the kernels at
+         # real shapes (the softplus threshold's dt = 100 case is exact only on a GPU), beside the
+         # Qwen3-Next hybrid's tests (RecurrentDecoder was split out of it)
+         run mamba tests/test_gpu_mamba.py & run hybrid tests/test_gpu_hybrid.py & wait ;;
     newbench) # the new families' streaming decode at --vram-gb 8 --ram-gb 32 on synthetic arenas cut
          # to fit the disk (Hunyuan-A13B 16 of 32 layers, Llama-4-Scout 12 of 48, MiMo-V2-Flash 8 of 48),
          # one after another in what the call allows (2026-12-07, not yet run)
