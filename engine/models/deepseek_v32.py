@@ -20,6 +20,9 @@ from engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3Decoder, MlaSt
 from engine.models.rope import ConfigError, pairs_to_halves
 from engine.names import name
 
+INDEX_KEY_EPS = 1e-6   # the indexer key's LayerNorm (transformers' k_norm)
+
+
 @dataclass(frozen=True)
 class DeepseekV32Config(DeepseekV3Config):
     index_n_heads: int = 0
@@ -107,7 +110,7 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
         k = ops.linear(h, w("idx_wk", l))                                   # [T, D]
         mu = k.mean(-1, keepdims=True)
         var = ((k - mu) ** 2).mean(-1, keepdims=True)
-        k = ((k - mu) / np.sqrt(var + np.float32(1e-6)) * w("idx_k_norm", l)
+        k = ((k - mu) / np.sqrt(var + np.float32(INDEX_KEY_EPS)) * w("idx_k_norm", l)
              + w("idx_k_norm_bias", l)).astype(np.float32)[:, None]        # LayerNorm, [T, 1, D]
         if self.index_cols is not None:
             k = np.ascontiguousarray(k[:, :, self.index_cols])
@@ -130,9 +133,18 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
             if n <= c.index_topk:
                 picked.append(np.arange(n))
             else:
-                top = np.argpartition(-score[i, :n], c.index_topk - 1)[:c.index_topk]
-                picked.append(np.sort(top))
+                picked.append(top_positions(score[i, :n], c.index_topk))
         return picked
+
+
+def top_positions(score: np.ndarray, k: int) -> np.ndarray:
+    """The k positions of the highest scores, ascending; of scores equal at the k-th (relu'd
+    sums tie at 0 often) the earliest positions, so the cuda backend's select
+    (kernels_numba/gpu_dsa.py) picks the same. score float32 [n], n > k."""
+    kth = np.partition(score, score.size - k)[score.size - k]     # the k-th highest
+    above = np.flatnonzero(score > kth)
+    ties = np.flatnonzero(score == kth)[:k - above.size]
+    return np.sort(np.concatenate([above, ties]))
 
 
 Model = DeepseekV32Decoder

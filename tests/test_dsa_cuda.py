@@ -1,0 +1,145 @@
+"""DeepSeek Sparse Attention's cuda kernels (kernels_numba/gpu_dsa.py) against the numpy oracles in kernels_numba/reference.py, on fresh random inputs with the
+outputs poisoned first.
+
+- CPU-only CI: test_simulator() runs this file as a script with NUMBA_ENABLE_CUDASIM=1 at tiny
+  shapes: the indexer's keys and queries; its scores (rows past index_topk, rows below it left
+  alone, positions past the query's never written); the select over scores full of ties (0 and
+  -0, repeated values: the earliest positions win, as the CPU backend's top_positions) and
+  with every position picked.
+- A GPU (marker gpu): the same checks at DeepSeek-V3.2's and GLM-5's indexer shapes.
+Run directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_dsa_cuda.py
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from numba import cuda  # noqa: E402
+
+from kernels_numba import reference as ref  # noqa: E402
+from kernels_numba.gpu_util import SIM  # noqa: E402
+
+
+def _close(got, exp, tol, what):
+    got, exp = np.asarray(got, np.float64), np.asarray(exp, np.float64)
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output (poison left?)"
+    err = np.abs(got - exp).max() / max(np.abs(exp).max(), 1e-30)
+    assert err <= tol, f"{what}: max error {err:.3g} of max |ref| exceeds {tol}"
+    return err
+
+
+def check_index_prep(rng, t, hi, d, r, s_max):
+    """The queries' rotary dims rotated in place (the rest untouched); the keys' LayerNorm with
+    bias and RoPE into the rows of the tokens' positions, no other row touched."""
+    from kernels_numba import gpu_dsa as gdsa
+    q = rng.standard_normal((t, hi, d)).astype(np.float32)
+    k = (rng.standard_normal((t, d)) * 3 + 1).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(d)).astype(np.float32)
+    b = (0.2 * rng.standard_normal(d)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, r, 2) / r)).astype(np.float32)
+    pos = rng.choice(s_max, t, replace=False).astype(np.int32)
+    dq = cuda.to_device(q)
+    ik = cuda.to_device(np.full((s_max, d), np.nan, np.float32))
+    gdsa.index_prep(dq, cuda.to_device(k), cuda.to_device(w), cuda.to_device(b), 1e-6,
+                    cuda.to_device(pos), cuda.to_device(inv_freq), 1.3, ik, cuda.stream())
+    cuda.synchronize()
+    _close(dq.copy_to_host(), ref.rope(q, pos, inv_freq, 1.3), 1e-5, "index_prep q")
+    got = ik.copy_to_host()
+    _close(got[pos], ref.index_keys(k, w, b, 1e-6, pos, inv_freq, 1.3), 1e-5, "index_prep keys")
+    assert np.isnan(np.delete(got, pos, axis=0)).all(), "index_prep wrote rows outside the positions"
+
+
+def check_index_scores(rng, hi, d, s_max, topk):
+    """A decode row past topk, a prefill chunk across topk (its rows below topk untouched) and
+    a row at the last position: the oracle's scores at j <= pos, nothing written past it."""
+    from kernels_numba import gpu_dsa as gdsa
+    keys = rng.standard_normal((s_max, d)).astype(np.float32)
+    for pos in (np.array([s_max // 2 + topk // 2], np.int32),
+                np.arange(topk - 2, topk + 3, dtype=np.int32), np.array([s_max - 1], np.int32)):
+        t = len(pos)
+        q = rng.standard_normal((t, hi, d)).astype(np.float32)
+        wt = rng.standard_normal((t, hi)).astype(np.float32)
+        out = cuda.to_device(np.full((t, s_max), np.nan, np.float32))
+        gdsa.index_scores(cuda.to_device(q), cuda.to_device(wt), cuda.to_device(keys),
+                          cuda.to_device(pos), d ** -0.5, hi ** -0.5, topk, out, cuda.stream())
+        cuda.synchronize()
+        got = out.copy_to_host()
+        want = ref.index_scores(q, wt, keys, pos, d ** -0.5, hi ** -0.5)
+        for i, p in enumerate(pos):
+            if p < topk:
+                assert np.isnan(got[i]).all(), f"index_scores wrote row {i} (position {p} < topk {topk})"
+                continue
+            _close(got[i, :p + 1], want[i, :p + 1], 1e-5, f"index_scores position {p}")
+            assert np.isnan(got[i, p + 1:]).all(), f"index_scores wrote past position {p}"
+
+
+def check_index_select(rng, s_max, topk, t):
+    """Scores with many ties (0 and -0, a handful of repeated values) and distinct ones: the
+    oracle's picks exactly (the earliest of equal scores), ascending; the CPU backend's
+    top_positions the same; rows at most topk long pick every position."""
+    from engine.models.deepseek_v32 import top_positions
+    from kernels_numba import gpu_dsa as gdsa
+    pos = np.concatenate([[0, topk - 1], rng.integers(topk, s_max, t - 3), [s_max - 1]]).astype(np.int32)
+    for kind in ("ties", "zeros", "distinct"):
+        if kind == "ties":
+            scores = rng.choice(np.array([-1.5, -0.0, 0.0, 0.25, 2.0], np.float32), (t, s_max))
+        elif kind == "zeros":   # a relu'd sum: mostly 0 or -0, a few positive
+            scores = np.where(rng.random((t, s_max)) < 0.8, 0.0, rng.random((t, s_max)))
+            scores = (scores * rng.choice([-1.0, 1.0], (t, s_max))).astype(np.float32)
+        else:
+            scores = rng.standard_normal((t, s_max)).astype(np.float32)
+        sel = cuda.to_device(np.full((t, topk), -7, np.int32))
+        vpos = cuda.to_device(np.full(t, -7, np.int32))
+        gdsa.index_select(cuda.to_device(scores), cuda.to_device(pos), topk, sel, vpos, cuda.stream())
+        cuda.synchronize()
+        got, vp = sel.copy_to_host(), vpos.copy_to_host()
+        for i, (p, want) in enumerate(zip(pos, ref.index_select(scores, pos, topk))):
+            assert vp[i] == len(want) - 1, f"select {kind}: row {i} vpos {vp[i]}, expected {len(want) - 1}"
+            assert np.array_equal(got[i, :len(want)], want), \
+                f"select {kind}: row {i} (position {p}) picked {got[i, :len(want)]}, expected {want}"
+            if p + 1 > topk:
+                assert np.array_equal(top_positions(scores[i, :p + 1], topk), want), f"top_positions {kind}"
+
+
+def run_sim_checks() -> None:
+    rng = np.random.default_rng()
+    check_index_prep(rng, t=3, hi=3, d=12, r=4, s_max=9)
+    check_index_scores(rng, hi=3, d=8, s_max=40, topk=6)       # two blocks of positions
+    check_index_select(rng, s_max=80, topk=7, t=6)              # runs of 3 positions a thread
+    print("SIM DSA CHECKS PASSED", flush=True)
+
+
+def test_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, __file__], env=env, cwd=str(ROOT), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "SIM DSA CHECKS PASSED" in r.stdout, r.stdout + r.stderr
+
+
+_HAVE_GPU = (not SIM) and cuda.is_available()
+gpu = pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("hi", [64, 32])   # V3.2, GLM-5
+def test_dsa_kernels_gpu(hi):
+    rng = np.random.default_rng()
+    check_index_prep(rng, t=5, hi=hi, d=128, r=64, s_max=64)
+    check_index_scores(rng, hi=hi, d=128, s_max=5000, topk=2048)
+    check_index_select(rng, s_max=20000, topk=2048, t=6)
+
+
+if __name__ == "__main__":
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        sys.exit("run with NUMBA_ENABLE_CUDASIM=1 (or through pytest)")
+    run_sim_checks()
