@@ -150,6 +150,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
     return out.astype(np.float32)
 
 
+def attention_picked(q: np.ndarray, rows: np.ndarray, picked, scale: float) -> np.ndarray:
+    """Multi-query attention of each query over its own rows (DeepSeek Sparse Attention's MLA):
+    q [T, Hq, D], rows [S, 1, D], picked: T int arrays of row numbers -> [T, Hq, D]."""
+    out = np.empty(q.shape, np.float32)
+    for t, keep in enumerate(picked):
+        r = rows[np.asarray(keep)]
+        out[t] = attention(q[t:t + 1], r, r, np.array([len(keep) - 1]), scale)[0]
+    return out
+
+
 def index_keys(k: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, positions: np.ndarray,
                inv_freq: np.ndarray, scaling: float = 1.0) -> np.ndarray:
     """The DSA indexer's key rows: LayerNorm with bias, then rotate-half RoPE on the first

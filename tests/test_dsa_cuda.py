@@ -1,11 +1,13 @@
-"""DeepSeek Sparse Attention's cuda kernels (kernels_numba/gpu_dsa.py) against the numpy oracles in kernels_numba/reference.py, on fresh random inputs with the
+"""DeepSeek Sparse Attention's cuda kernels (kernels_numba/gpu_dsa.py, gpu_mla.attention with
+sel) against the numpy oracles in kernels_numba/reference.py, on fresh random inputs with the
 outputs poisoned first.
 
 - CPU-only CI: test_simulator() runs this file as a script with NUMBA_ENABLE_CUDASIM=1 at tiny
   shapes: the indexer's keys and queries; its scores (rows past index_topk, rows below it left
   alone, positions past the query's never written); the select over scores full of ties (0 and
   -0, repeated values: the earliest positions win, as the CPU backend's top_positions) and
-  with every position picked.
+  with every position picked; the sparse MLA attention against the oracle and, where every
+  position is picked, bit for bit the dense kernel's output, for decode and a prefill chunk.
 - A GPU (marker gpu): the same checks at DeepSeek-V3.2's and GLM-5's indexer shapes.
 Run directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_dsa_cuda.py
 """
@@ -110,11 +112,58 @@ def check_index_select(rng, s_max, topk, t):
                 assert np.array_equal(top_positions(scores[i, :p + 1], topk), want), f"top_positions {kind}"
 
 
+def check_sparse_attention(rng, hq, c_dim, r, s_max, split, topk, t_prefill, gh):
+    """Each query over its picked rows (ascending, as index_select leaves them): the oracle's
+    attention over those rows; where every position is picked (sel[t, j] = j) the dense kernel's
+    output bit for bit. Decode and a prefill chunk, both variants (staged: float32 caches)."""
+    from kernels_numba import gpu_attention as ga
+    from kernels_numba import gpu_mla as gml
+    d = c_dim + r
+    scale = 0.3
+    stream = cuda.stream()
+    for bf in (False, True):
+        rows = rng.standard_normal((s_max, 1, d)).astype(np.float32)
+        if bf:
+            from loader.quant import f32_to_bf16
+            bits = f32_to_bf16(rows)
+            rows, dc = ref.bf16_to_f32(bits), cuda.to_device(bits)
+        else:
+            dc = cuda.to_device(rows)
+        for qp in (np.array([s_max - 1], np.int32), np.array([topk // 2], np.int32),
+                   np.arange(s_max - t_prefill, s_max, dtype=np.int32),
+                   np.arange(topk - t_prefill // 2, topk - t_prefill // 2 + t_prefill, dtype=np.int32)):
+            t = len(qp)
+            picked = [np.arange(p + 1) if p + 1 <= topk else np.sort(rng.choice(p + 1, topk, replace=False))
+                      for p in qp]
+            sel = np.full((t, topk), -1, np.int32)
+            for i, keep in enumerate(picked):
+                sel[i, :len(keep)] = keep
+            vpos = np.array([len(k) - 1 for k in picked], np.int32)
+            q = rng.standard_normal((t, hq, d)).astype(np.float32)
+            want = ref.attention_picked(q, rows, picked, scale)[:, :, :c_dim]
+            parts = ga.alloc_partials(t, hq, d, s_max, split)
+            for variant in ("tile",) if bf else gml.ATT_VARIANTS:
+                outs = []
+                for sparse in (True, False):
+                    out = cuda.to_device(np.full((t, hq, c_dim), np.nan, np.float32))
+                    gml.attention(cuda.to_device(q), dc, cuda.to_device(vpos if sparse else qp), scale, out,
+                                  parts, stream, split=split, gh=gh, variant=variant,
+                                  sel=cuda.to_device(sel) if sparse else None)
+                    stream.synchronize()
+                    outs.append(out.copy_to_host())
+                what = f"sparse MLA attention {variant} bf16={bf} positions {qp[0]}..{qp[-1]}"
+                _close(outs[0], want, 1e-5, what)
+                every = vpos == qp
+                assert np.array_equal(outs[0][every], outs[1][every]), what + ": every position picked, not the dense output"
+
+
 def run_sim_checks() -> None:
     rng = np.random.default_rng()
     check_index_prep(rng, t=3, hi=3, d=12, r=4, s_max=9)
     check_index_scores(rng, hi=3, d=8, s_max=40, topk=6)       # two blocks of positions
     check_index_select(rng, s_max=80, topk=7, t=6)              # runs of 3 positions a thread
+    # 3 heads in tiles of 2; picks in pieces of 2+ keys (the partials' P from s_max)
+    check_sparse_attention(rng, hq=3, c_dim=12, r=4, s_max=14, split=2, topk=5, t_prefill=3, gh=2)
     print("SIM DSA CHECKS PASSED", flush=True)
 
 
@@ -137,6 +186,7 @@ def test_dsa_kernels_gpu(hi):
     check_index_prep(rng, t=5, hi=hi, d=128, r=64, s_max=64)
     check_index_scores(rng, hi=hi, d=128, s_max=5000, topk=2048)
     check_index_select(rng, s_max=20000, topk=2048, t=6)
+    check_sparse_attention(rng, hq=16, c_dim=512, r=64, s_max=4096, split=32, topk=2048, t_prefill=9, gh=8)
 
 
 if __name__ == "__main__":
