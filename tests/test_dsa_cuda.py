@@ -8,8 +8,14 @@ outputs poisoned first.
   -0, repeated values: the earliest positions win, as the CPU backend's top_positions) and
   with every position picked; the sparse MLA attention against the oracle and, where every
   position is picked, bit for bit the dense kernel's output, for decode and a prefill chunk.
-- A GPU (marker gpu): the same checks at DeepSeek-V3.2's and GLM-5's indexer shapes.
-Run directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_dsa_cuda.py
+  test_simulator_decoder() runs it with a tiny model's folder: the eager cuda decoder
+  (engine/gpu_dsa.py) against the CPU backend with index_topk 4 of an 8-token prompt, prefill
+  chunks across index_topk, decode past it, the picks themselves, and the prefix cache's save
+  and restore of the indexer keys.
+- A GPU (marker gpu): the kernel checks at DeepSeek-V3.2's and GLM-5's indexer shapes;
+  transformers' logits past index_topk; graph replay = eager = the CPU backend, resident and
+  streamed.
+Run directly: NUMBA_ENABLE_CUDASIM=1 python tests/test_dsa_cuda.py [MODEL_DIR]
 """
 from __future__ import annotations
 
@@ -22,8 +28,10 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-if __name__ == "__main__" and str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":   # run as a script from anywhere
+    for p in (ROOT, ROOT / "tests"):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
 
 from numba import cuda  # noqa: E402
 
@@ -157,6 +165,63 @@ def check_sparse_attention(rng, hq, c_dim, r, s_max, split, topk, t_prefill, gh)
                 assert np.array_equal(outs[0][every], outs[1][every]), what + ": every position picked, not the dense output"
 
 
+def check_decoder(model) -> None:
+    """The eager cuda decoder against the CPU backend on model (index_topk 4): an 8-token prompt
+    in prefills of 5 (the first across index_topk) scored SCORE_ROWS = 2 tokens at a time, its
+    logits; two greedy decode steps past it, the last indexing layer's scores and picks those
+    of the CPU; between them the state saved, written over and restored (the prefix cache's
+    round trip, the indexer keys with the latent rows); the state's bytes as state_bytes says.
+    Kept this small: each pass through the model costs about 30 s in the simulator."""
+    import engine
+    from conftest import rel_err
+    from engine import gpu_dsa
+    from engine.models import deepseek_v32
+    gpu_dsa.SCORE_ROWS = 2
+    cpu = engine.load(model, device="cpu").model
+    dec = engine.load(model, device="cuda").gpu
+    dec.use_graphs = False
+    dec.prefill_chunk = 5
+    assert type(dec).__name__ == "GpuDsaDecoder", type(dec).__name__
+    c = cpu.c
+    ids = np.random.default_rng().integers(0, c.vocab_size, 8)
+    assert c.index_topk == 4
+    seen = {}
+    top = deepseek_v32.top_positions
+
+    def spy(score, k):   # the CPU's scores of the last query it picks for
+        seen["score"] = np.array(score)
+        return top(score, k)
+    deepseek_v32.top_positions = spy
+
+    def same(lg, lc, what):
+        err = rel_err(lg, lc)
+        assert err < 1e-4, f"{what}: logits differ from the CPU backend by {err:.3g}"
+        assert np.array_equal(np.argmax(lg, -1), np.argmax(lc, -1)), f"{what}: greedy tokens differ"
+        return err
+
+    sc, sg = cpu.new_state(16), dec.new_state(16)
+    assert sum(a.nbytes for a in sg.k + sg.ik) == gpu_dsa.state_bytes(c, sg.max_context) and len(sg.ik) == len(c.index_layers)
+    lc = np.asarray(cpu.forward(ids, sc, all_logits=True))
+    errs = [same(dec.forward(ids, sg, all_logits=True), lc, "prefills of 5")]
+    for step in range(2):
+        if step == 1:
+            saved = dec.save_state(sg, sg.pos)
+            rng = np.random.default_rng()
+            for a in sg.k + sg.ik:   # (as another prompt would)
+                a.copy_to_device(rng.standard_normal(a.shape).astype(a.dtype))
+            sg = dec.restore_state(saved, 16, sc.pos)
+        tok = int(np.argmax(lc[-1]))
+        lc = np.asarray(cpu.forward(np.array([tok]), sc))
+        errs.append(same(dec.forward(np.array([tok]), sg), lc, f"decode step {step}"))
+        want = seen.pop("score")
+        _close(dec.one.score.copy_to_host()[0, :len(want)], want, 1e-5, f"decode step {step}: indexer scores")
+        want = sc.picked[0]
+        got = dec.one.sel.copy_to_host()[0, :dec.one.vpos.copy_to_host()[0] + 1]
+        assert len(want) == c.index_topk and np.array_equal(got, want), \
+            f"decode step {step}: picked {got}, the CPU {want}"
+    print(f"logits rel err {max(errs):.2e}", flush=True)
+
+
 def run_sim_checks() -> None:
     rng = np.random.default_rng()
     check_index_prep(rng, t=3, hi=3, d=12, r=4, s_max=9)
@@ -167,11 +232,38 @@ def run_sim_checks() -> None:
     print("SIM DSA CHECKS PASSED", flush=True)
 
 
-def test_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, __file__], env=env, cwd=str(ROOT), capture_output=True,
-                       text=True, timeout=900)
+def _simulate(*args) -> str:
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    r = subprocess.run([sys.executable, __file__, *map(str, args)], env=env, cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "SIM DSA CHECKS PASSED" in r.stdout, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_simulator():
+    _simulate()
+
+
+# tiny models for the simulator: 4 indexer heads of 8 dims (4 rotating), 4 of a query's positions
+SIM_DSA = dict(vocab_size=24, hidden_size=16, num_attention_heads=2, moe_intermediate_size=8,
+               intermediate_size=8, num_experts_per_tok=2, num_hidden_layers=2, n_routed_experts=4,
+               n_shared_experts=1, routed_scaling_factor=1.5, kv_lora_rank=8, q_lora_rank=8,
+               qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6, index_n_heads=4,
+               index_head_dim=8, index_topk=4)
+SIM_DECODERS = {
+    # layer 0 dense, layer 1 routed (4 experts in 2 groups, one kept); both run an indexer
+    "deepseek_v32": dict(SIM_DSA, n_group=2, topk_group=1, first_k_dense_replace=1),
+    # layer 1 routed, dense before it; layer 1 reads layer 0's picks (its interleaved RoPE pairs
+    # permuted at upload)
+    "glm_moe_dsa": dict(SIM_DSA, mlp_layer_types=["dense", "sparse"], index_topk_pattern="FS"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(SIM_DECODERS))
+def test_simulator_decoder(tmp_path, family):
+    from conftest import build_hf_model
+    build_hf_model(tmp_path, family, dtype="bfloat16", **SIM_DECODERS[family])
+    print(_simulate(tmp_path))
 
 
 _HAVE_GPU = (not SIM) and cuda.is_available()
@@ -189,7 +281,59 @@ def test_dsa_kernels_gpu(hi):
     check_sparse_attention(rng, hq=16, c_dim=512, r=64, s_max=4096, split=32, topk=2048, t_prefill=9, gh=8)
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_cuda_past_index_topk(tmp_path, family):
+    """conftest's tiny model (index_topk 4) on cuda: transformers' logits over 12 tokens and
+    the CPU backend's greedy continuation (a pick between two scores equal to float32 rounding
+    may go either way: only then may they part); the same weights with index_topk 32 over a
+    300-token prompt in prefill chunks of 100 (SCORE_ROWS rows scored at a time, chunks across
+    index_topk), the CPU backend's logits."""
+    import engine
+    from conftest import build_hf_model, copy_config, hf_logits, hf_reference, rel_err
+    from test_glm_moe_dsa import index_topk_gap
+    build_hf_model(tmp_path / "m", family, dtype="bfloat16")
+    ref = hf_reference(tmp_path / "m")
+    ids = np.random.default_rng().integers(0, 300, 12).tolist()
+    g = engine.load(tmp_path / "m", device="cuda")
+    assert type(g.gpu).__name__ == "GpuDsaDecoder"
+    assert rel_err(g.logits(ids), hf_logits(ref, ids)) < 1e-4
+    got = g.generate(ids[:6], max_new_tokens=24).output_ids
+    want = engine.load(tmp_path / "m", device="cpu").generate(ids[:6], max_new_tokens=24).output_ids
+    if got != want:
+        gap = index_topk_gap(ref, ids[:6] + got, g.config.index_topk)
+        assert gap < 1e-5, f"cuda left the CPU backend's greedy tokens, the closest indexer pick {gap:.2e} apart"
+    (tmp_path / "k32").mkdir()
+    (tmp_path / "k32" / "model.safetensors").write_bytes((tmp_path / "m" / "model.safetensors").read_bytes())
+    copy_config(tmp_path / "m", tmp_path / "k32", index_topk=32)
+    long = np.random.default_rng().integers(0, 300, 300)
+    g = engine.load(tmp_path / "k32", device="cuda", max_context=512)
+    g.gpu.prefill_chunk = 100
+    err = rel_err(g.logits(long), engine.load(tmp_path / "k32", device="cpu", max_context=512).logits(long))
+    print(f"300 tokens, index_topk 32: rel err {err:.2e}", flush=True)
+    assert err < 1e-4
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("resident", [True, False])
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_graph_replay_and_streaming(tmp_path, family, resident):
+    """Graph replay = eager = the CPU backend over a 20-token prompt and 20 tokens (index_topk
+    4: the indexer's scores, select and the sparse attention inside the graphs, the position
+    from device memory), resident (one graph a token) or streamed (a graph segment a layer)."""
+    from conftest import build_hf_model, check_packed_graph_replay
+    check_packed_graph_replay(tmp_path, resident, build_hf_model, family, num_experts_per_tok=4,
+                              num_hidden_layers=3, hidden_size=64, n_routed_experts=16, n_group=4,
+                              topk_group=2)
+
+
 if __name__ == "__main__":
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         sys.exit("run with NUMBA_ENABLE_CUDASIM=1 (or through pytest)")
-    run_sim_checks()
+    if len(sys.argv) > 1:
+        check_decoder(Path(sys.argv[1]))
+        print("SIM DSA CHECKS PASSED", flush=True)
+    else:
+        run_sim_checks()

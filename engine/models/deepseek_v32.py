@@ -5,9 +5,9 @@ only the index_topk best; the indexer's keys (one index_head_dim row a position 
 cached beside the latent rows. Up to index_topk positions the selection is every position: dense
 MLA. The indexer's RoPE rotates the first qk_rope_head_dim dims in halves (the attention's comes
 in interleaved pairs; GLM-5's indexer takes the attention's, engine/models/glm_moe_dsa.py, and
-runs in some layers only, the others reading what it picked). CPU backend; the cuda backend runs
-these families as dense MLA with the context capped at index_topk, where the two are the same
-(engine/runtime.py dsa_context)."""
+runs in some layers only, the others reading what it picked). Of scores equal at the
+index_topk-th, the earliest positions are picked (top_positions). The cuda backend runs the same
+indexer and picks on the device: engine/gpu_dsa.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,7 +50,7 @@ class DeepseekV32Config(DeepseekV3Config):
 
 
 def indexer_spec(c: DeepseekV32Config) -> dict[str, tuple]:
-    """The indexer's weights, a layer that runs one (the cuda backend leaves them on the host)."""
+    """The indexer's weights, a layer that runs one."""
     f, hd, spec = c.family, c.index_head_dim, {}
     for l in c.index_layers:
         spec[name(f, "idx_wq_b", l)] = (c.index_n_heads * hd, c.q_lora_rank)
