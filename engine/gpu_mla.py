@@ -116,11 +116,11 @@ class GpuMlaDecoder(GpuDecoder):
     state_cls = MlaRunState
 
     @staticmethod
-    def dense_keys(c) -> list:
+    def dense_keys(c, extra_per_layer=()) -> list:
         attn = ["kv_a", "kv_a_norm", "kv_b", "o"] + (["q_a", "q_a_norm", "q_b"] if c.q_lora_rank else ["q"])
         if c.attention_bias:
             attn += ["kv_a_bias", "o_bias"] + (["q_a_bias"] if c.q_lora_rank else [])
-        return _base_dense_keys(c, attn=attn)
+        return _base_dense_keys(c, extra_per_layer, attn=attn)
 
     def w(self, key: str, layer: int | None = None):
         """As GpuDecoder.w; q_a and kv_a are row ranges of one matrix where fuse_qa()."""
@@ -191,12 +191,17 @@ class GpuMlaDecoder(GpuDecoder):
         if c.query_scale_beta:   # Mistral 4: the queries by position
             gm.query_temperature(q_lat, pos, c.query_scale_period, c.query_scale_beta, cs, shift=0.0)
         lat = b.lat[:t]
-        gml.attention(q_lat, st.k[l], pos, c.softmax_scale, lat, _partials(b.partials, t, hq), cs)
+        self._latent_attention(l, b, t, st, q_lat, lat)
         ov = b.ov[:t]
         gml.absorb_o(lat, kv_b, ov.reshape(t, hq, c.v_head_dim), cs)
         self._linear_add(w("o", l), ov, b.o[:t], x)
         if c.attention_bias:
             gm.add_rows(x, w("o_bias", l), cs)
+
+    def _latent_attention(self, l, b, t, st, q_lat, lat):
+        """lat [T, Hq, C]: each head's attention over the latent rows up to its position."""
+        gml.attention(q_lat, st.k[l], b.pos[:t], self.c.softmax_scale, lat,
+                      _partials(b.partials, t, self.c.n_heads), self.cs)
 
     def _topk(self, l, rl, ids, w, slots=None):
         """V3 (and Mistral 4's softmax_grouped): the base decoder's routing. V2: the softmax

@@ -275,18 +275,15 @@ def pick_device(device: str, family: str, config=None) -> str:
 
 
 def context_length(c, device: str, max_context: int | None) -> int:
-    """The run state's positions: max_context, or the config's up to 4096. On cuda, a DSA family
-    (DeepSeek-V3.2, GLM-5) runs dense MLA, which is its sparse attention exactly while the context
-    is at most index_topk (every position is then picked), and MiniMax-M3 dense attention, its
-    sparse layers' exactly up to index_topk_blocks blocks of index_block_size keys: capped there,
-    or refused above it."""
+    """The run state's positions: max_context, or the config's up to 4096. On cuda, MiniMax-M3
+    runs dense attention, its sparse layers' exactly up to index_topk_blocks blocks of
+    index_block_size keys: capped there, or refused above it. (DeepSeek-V3.2's and GLM-5's
+    indexer runs on cuda too: engine/gpu_dsa.py; no cap.)"""
     n = int(max_context or min(c.max_position, 4096))
-    cap, what = getattr(c, "index_topk", 0), "index_topk"
-    if getattr(c, "sparse_layers", ()):
-        cap, what = c.block_topk * c.block_size, "index_topk_blocks * index_block_size"
-    if device != "cuda":
-        cap = 0
-    if cap and n > cap:
+    if device != "cuda" or not getattr(c, "sparse_layers", ()):
+        return n
+    cap, what = c.block_topk * c.block_size, "index_topk_blocks * index_block_size"
+    if n > cap:
         if max_context:
             raise ValueError(f"--max-context {max_context}: the cuda backend runs {c.family}'s "
                              f"sparse attention as dense attention, exact up to {what}={cap} "
@@ -387,11 +384,12 @@ class Engine:
 
     def _gpu_decoder(self, fam, ram_gb, vram_gb, hot_from, prefill_batch, on_route, speculate):
         """Plan the tiers for the budgets and build the CUDA decoder (engine/gpu.py, gpu_hybrid.py,
-        gpu_mla.py, gpu_step.py, gpu_cohere.py, gpu_m3.py, gpu_llama4.py, gpu_mimo.py,
+        gpu_mla.py, gpu_dsa.py, gpu_step.py, gpu_cohere.py, gpu_m3.py, gpu_llama4.py, gpu_mimo.py,
         gpu_afmoe.py, gpu_minicpm.py)."""
         from numba import cuda
 
         from engine.models.deepseek_v3 import DeepseekV3Config
+        from engine.models.deepseek_v32 import DeepseekV32Config
         from engine.models.hybrid import HybridConfig
         from engine.planner import PlanError, plan
         from loader.layout import ExpertLayout
@@ -412,9 +410,6 @@ class Engine:
         ram = ram_gb if ram_gb is not None else getattr(self.experts, "budget", 0) / 1e9
         from engine.gpu import embed_on_host
         host_only = {name(c.family, "embed")} if embed_on_host(c) else set()
-        if hasattr(c, "index_topk"):   # DSA's indexer: not uploaded (context_length)
-            from engine.models.deepseek_v32 import indexer_spec
-            host_only |= set(indexer_spec(c))
         if getattr(c, "sparse_layers", ()):   # MiniMax-M3's indexer: not uploaded (context_length)
             from engine.models import base, minimax_m3
             host_only |= set(minimax_m3.dense_spec(c)) - set(base.dense_spec(c))
@@ -422,6 +417,9 @@ class Engine:
         if isinstance(c, HybridConfig):   # DeltaNet + gated attention: engine/gpu_hybrid.py
             from engine import gpu_hybrid as g
             Decoder, kv = g.GpuHybridDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
+        elif isinstance(c, DeepseekV32Config):   # MLA with DSA's indexer: engine/gpu_dsa.py
+            from engine import gpu_dsa as g
+            Decoder, kv = g.GpuDsaDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)
         elif isinstance(c, DeepseekV3Config):   # multi-head latent attention: engine/gpu_mla.py
             from engine import gpu_mla as g
             Decoder, kv = g.GpuMlaDecoder, g.state_bytes(c, self.max_context, self.kv_itemsize)

@@ -349,17 +349,17 @@ def _absorb1(kind: str, bf: bool, n: int):
     return _ABSORB1[key]
 
 
-def _make_partial(row, G, D, CPT):
+def _make_partial(row, G, D, CPT, SPARSE=False):
     """row: the cache loader (f32 / bf16); G heads a block; D the row width; CPT value columns a
-    thread (ATT_THREADS * CPT >= C)."""
+    thread (ATT_THREADS * CPT >= C); SPARSE: key j of query t is row sel[t, j]."""
     NW = ATT_THREADS // WARP
     GC = G * CPT
 
     @cuda.jit
-    def partial(q, cache, q_pos, scale, window, split, cdim, pm, pl, pacc):
+    def partial(q, cache, q_pos, sel, scale, window, split, cdim, pm, pl, pacc):
         """q float32 [T, Hq, D] (cache [S_max, 1, D]) -> the pieces of each (query, head): pm, pl
         float32 [T Hq, P (+1)] (max, sum of exp), pacc float32 [T Hq, P, >= C] (the unnormed
-        value sums)."""
+        value sums). sel int32 [T, > q_pos[t]] (SPARSE; else not read)."""
         qs = cuda.shared.array((G, D), float32)
         sc = cuda.shared.array((G, KC), float32)        # a step's scores, then probabilities
         mrow = cuda.shared.array(G, float32)
@@ -400,8 +400,9 @@ def _make_partial(row, G, D, CPT):
                 for g in range(G):
                     part[g] = float32(0.0)
                 if j < j1:
+                    jr = sel[t, j] if SPARSE else j
                     for d in range(lane, D, WARP):
-                        kv = row(cache, j, d)
+                        kv = row(cache, jr, d)
                         for g in range(G):
                             part[g] += qs[g, d] * kv
                 for g in range(G):
@@ -430,10 +431,11 @@ def _make_partial(row, G, D, CPT):
                     acc[g * CPT + ci] *= f
             for kk in range(min(KC, j1 - jb)):
                 j = jb + kk
+                jr = sel[t, j] if SPARSE else j
                 for ci in range(CPT):
                     c = tid + ci * ATT_THREADS
                     if c < cdim:
-                        v = row(cache, j, c)
+                        v = row(cache, jr, c)
                         for g in range(G):
                             acc[g * CPT + ci] += sc[g, kk] * v
             cuda.syncthreads()                       # before the next step's scores
@@ -453,11 +455,11 @@ def _make_partial(row, G, D, CPT):
 _PARTIAL = {}
 
 
-def partial_kernel(bf: bool, g: int, d: int, c: int):
+def partial_kernel(bf: bool, g: int, d: int, c: int, sparse: bool = False):
     cpt = cdiv(c, ATT_THREADS)
-    key = (bool(bf), g, d, cpt)
+    key = (bool(bf), g, d, cpt, bool(sparse))
     if key not in _PARTIAL:
-        _PARTIAL[key] = pdl_kernel(_make_partial(_row_bf16 if bf else _row_f32, g, d, cpt))
+        _PARTIAL[key] = pdl_kernel(_make_partial(_row_bf16 if bf else _row_f32, g, d, cpt, bool(sparse)))
     return _PARTIAL[key]
 
 
@@ -470,7 +472,7 @@ def _value_split(G, C):
     return hs, G // hs, nt // hs, cdiv(grc, nt // hs)
 
 
-def _make_staged(G, D, C):
+def _make_staged(G, D, C, SPARSE=False):
     """The staged partial kernel (float32 cache, D % 4 == 0): G warps, warp g scoring head h0 + g
     (its scaled query in its lanes' registers, 16-byte granules lane, lane + 32, ...); a step's
     KS rows go to shared memory by cp.async in one round (no registers held; rows past the
@@ -479,7 +481,9 @@ def _make_staged(G, D, C):
     reduction (KS - 1 + 5 - log2 KS shuffles) leaves key lane >> SH's score in the lane, the
     online softmax stays in the warp; then the values: head slices x 4-column granules
     (_value_split), each thread its heads' probabilities from shared memory. The first step's
-    rows before q_pos[0] (no launch just before writes them) are requested before the PDL wait."""
+    rows before q_pos[0] (no launch just before writes them) are requested before the PDL wait.
+    SPARSE: key j of query t is row sel[t, j]; q_pos and sel come from the launch before (the
+    indexer's), so nothing is read before the wait."""
     NT = G * WARP
     GR = D // 4                       # 16-byte granules a row
     QI = cdiv(GR, WARP)               # granules of the query a lane holds
@@ -495,7 +499,7 @@ def _make_staged(G, D, C):
     RED = 3 * NT if SIM else 1        # the simulator's shuffles (gpu_attention._shfl_xor)
 
     @cuda.jit
-    def staged(q, cache, q_pos, scale, window, split, cdim, pm, pl, pacc):
+    def staged(q, cache, q_pos, sel, scale, window, split, cdim, pm, pl, pacc):
         if SIM:                                      # (no alignment there)
             ks = cuda.shared.array(KD, float32)
         else:
@@ -503,6 +507,9 @@ def _make_staged(G, D, C):
         sp = cuda.shared.array(GK, float32)     # a step's probabilities, head-major
         fac = cuda.shared.array(G, float32)         # a step's correction, a head
         red = cuda.shared.array(RED, float32)
+        if SPARSE:
+            pdl_wait()
+            pdl_trigger()
         T, Hq, _ = q.shape
         tid = cuda.threadIdx.x
         lane = tid % WARP
@@ -519,21 +526,22 @@ def _make_staged(G, D, C):
             return
         if SIM:
             red[2 * NT + tid] = float32(0.0)
-        fresh = q_pos[0]
+        fresh = 0 if SPARSE else q_pos[0]
         for e in range(tid, KS * GR, NT):
             kk = e // GR
             j = min(j0 + kk, j1 - 1)
             if j < fresh:
                 k4 = (e - kk * GR) * 4
                 cp_async4(ks, kk * D + k4, cache, j, 0, k4)
-        pdl_wait()
-        pdl_trigger()
+        if not SPARSE:
+            pdl_wait()
+            pdl_trigger()
         for e in range(tid, KS * GR, NT):
             kk = e // GR
             j = min(j0 + kk, j1 - 1)
             if j >= fresh:
                 k4 = (e - kk * GR) * 4
-                cp_async4(ks, kk * D + k4, cache, j, 0, k4)
+                cp_async4(ks, kk * D + k4, cache, sel[t, j] if SPARSE else j, 0, k4)
         hv = h0 + g < Hq
         hg = min(h0 + g, Hq - 1)
         qv = cuda.local.array(QV, float32)
@@ -556,7 +564,7 @@ def _make_staged(G, D, C):
                     kk = e // GR
                     j = min(jb + kk, j1 - 1)
                     k4 = (e - kk * GR) * 4
-                    cp_async4(ks, kk * D + k4, cache, j, 0, k4)
+                    cp_async4(ks, kk * D + k4, cache, sel[t, j] if SPARSE else j, 0, k4)
             cp_async_wait()
             cuda.syncthreads()
             for kk in range(KS):
@@ -628,16 +636,19 @@ def _make_staged(G, D, C):
     return staged
 
 
-def staged_kernel(g: int, d: int, c: int):
-    key = ("staged", g, d, c)
+def staged_kernel(g: int, d: int, c: int, sparse: bool = False):
+    key = ("staged", g, d, c, bool(sparse))
     if key not in _PARTIAL:
-        _PARTIAL[key] = pdl_kernel(_make_staged(g, d, c))
+        _PARTIAL[key] = pdl_kernel(_make_staged(g, d, c, bool(sparse)))
     return _PARTIAL[key]
 
 
-def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=None, gh=None, variant=None):
+def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=None, gh=None, variant=None,
+              sel=None):
     """q_lat float32 [T, Hq, D], cache [S_max, 1, D] -> out float32 [T, Hq, C]: each head's
-    softmax(scale q . row) over the rows j <= q_pos[t], times the rows' first C values.
+    softmax(scale q . row) over the rows j <= q_pos[t], times the rows' first C values; with sel
+    int32 [T, > q_pos[t]] (DeepSeek Sparse Attention: gpu_dsa.index_select) over the rows
+    sel[t, :q_pos[t] + 1] instead, in that order (sel[t, j] = j: the same sums as without).
     partials: gpu_attention.alloc_partials(T, Hq, >= C, S_max); gh: heads a block (at most);
     split: fewest keys a block; variant: "staged" (float32 caches) or "tile" (the first kernel:
     bf16 caches, and kept to compare); None: "staged" where it applies and STAGED_ATT is on.
@@ -663,10 +674,13 @@ def attention(q_lat, cache, q_pos, scale, out, partials, stream, split=None, gh=
                              f"{STAGED_SMEM // (4 * KS)} values and at most {STAGED_GH_MAX} heads a "
                              f"block, not {cache.dtype} {cache.shape}, gh {gh}")
         g = cdiv(hq, cdiv(hq, max(1, gh)))          # even tiles of at most gh heads
-        kern, threads = staged_kernel(g, d, c), g * WARP
+        kern, threads = staged_kernel(g, d, c, sel is not None), g * WARP
     else:
         g = max(1, min(gh, hq))
-        kern, threads = partial_kernel(bf, g, d, c), ATT_THREADS
-    kern[(t * cdiv(hq, g), p), threads, stream](q_lat, cache, q_pos, float32(scale), int32(0),
-                                                int32(split), int32(c), pm, pl, pacc)
+        kern, threads = partial_kernel(bf, g, d, c, sel is not None), ATT_THREADS
+    if sel is not None and (sel.ndim != 2 or sel.shape[0] != t):
+        raise ValueError(f"MLA attention: sel {sel.shape} for {t} queries (expected [{t}, >= picks])")
+    kern[(t * cdiv(hq, g), p), threads, stream](
+        q_lat, cache, q_pos, q_pos.reshape(1, t) if sel is None else sel, float32(scale), int32(0),
+        int32(split), int32(c), pm, pl, pacc)
     combine(q_pos, 0, split, partials, out, stream)

@@ -150,6 +150,46 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
     return out.astype(np.float32)
 
 
+def attention_picked(q: np.ndarray, rows: np.ndarray, picked, scale: float) -> np.ndarray:
+    """Multi-query attention of each query over its own rows (DeepSeek Sparse Attention's MLA):
+    q [T, Hq, D], rows [S, 1, D], picked: T int arrays of row numbers -> [T, Hq, D]."""
+    out = np.empty(q.shape, np.float32)
+    for t, keep in enumerate(picked):
+        r = rows[np.asarray(keep)]
+        out[t] = attention(q[t:t + 1], r, r, np.array([len(keep) - 1]), scale)[0]
+    return out
+
+
+def index_keys(k: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, positions: np.ndarray,
+               inv_freq: np.ndarray, scaling: float = 1.0) -> np.ndarray:
+    """The DSA indexer's key rows: LayerNorm with bias, then rotate-half RoPE on the first
+    2 * len(inv_freq) dims. k [T, D] (the wk projection), w, b [D] -> [T, D]."""
+    x64 = k.astype(np.float64)
+    x64 = x64 - x64.mean(axis=-1, keepdims=True)
+    ln = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * w + b
+    return rope(ln[:, None].astype(np.float32), positions, inv_freq, scaling)[:, 0]
+
+
+def index_scores(q: np.ndarray, wt: np.ndarray, keys: np.ndarray, positions: np.ndarray,
+                 q_scale: float, w_scale: float) -> np.ndarray:
+    """The DSA indexer's scores: score[t, j] = sum_h wt[t, h] w_scale relu(q_scale q[t, h] .
+    keys[j]) for j <= positions[t], -inf past it. q [T, Hi, D], wt [T, Hi], keys [S, D] -> [T, S]."""
+    dots = np.einsum("thd,sd->ths", q.astype(np.float64), keys.astype(np.float64)) * q_scale
+    s = np.einsum("th,ths->ts", wt.astype(np.float64) * w_scale, np.maximum(dots, 0.0))
+    s[np.arange(keys.shape[0])[None, :] > positions[:, None]] = -np.inf
+    return s
+
+
+def index_select(scores: np.ndarray, positions: np.ndarray, k: int) -> list:
+    """Each query's picked positions, ascending: every j <= positions[t] while there are at most
+    k of them, else the k highest scores[t, j], ties (0 equal to -0) to the earlier position."""
+    out = []
+    for t, p in enumerate(positions):
+        s = np.asarray(scores[t, :p + 1], np.float64)
+        out.append(np.arange(p + 1) if p + 1 <= k else np.sort(np.argsort(-s, kind="stable")[:k]))
+    return out
+
+
 def mla_absorb_q(q_nope: np.ndarray, kv_b: np.ndarray) -> np.ndarray:
     """MLA: each head's query into the latent space through the key half of kv_b.
     q_nope [T, Hq, Nn], kv_b [Hq (Nn + V), C] (float32 or bf16 bits) -> [T, Hq, C]."""

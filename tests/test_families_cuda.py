@@ -3,9 +3,8 @@ routing with a selection bias, ungated shared experts, partial RoPE with per-hea
 q/k/v biases, a first dense layer), dots1 (the same MoE beside Qwen3's attention), qwen2_moe
 (a sigmoid-gated shared expert, q/k/v biases) and gpt_oss (attention sinks, sliding and full
 layers, q/k/v/o biases, a biased router, biased experts with a clamped SwiGLU, YaRN),
-deepseek_v3 / deepseek_v2 / glm4_moe_lite (multi-head latent attention: engine/gpu_mla.py),
-deepseek_v32 / glm_moe_dsa (the same, the context capped at index_topk: engine/runtime.py
-context_length),
+deepseek_v3 / deepseek_v2 / glm4_moe_lite (multi-head latent attention: engine/gpu_mla.py;
+deepseek_v32 / glm_moe_dsa's sparse attention: tests/test_dsa_cuda.py),
 minimax_m2 (q/k norms over all heads, partial RoPE, sigmoid routing over all experts),
 ernie4_5_moe (interleaved RoPE pairs, softmax routing chosen with a bias), exaone_moe (sliding
 layers with RoPE, full ones without: engine/gpu.py no_freq), hunyuan_v1_moe (q / k normed after
@@ -79,22 +78,6 @@ SIM_CASES = {
                           mlp_layer_types=["sparse", "dense"], routed_scaling_factor=1.8,
                           kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                           v_head_dim=8),
-    # DeepSeek-V3.2 / GLM-5 on cuda: dense MLA, the context capped at index_topk (8: the test's
-    # new_state(8)), where the CPU backend's indexer picks every position; GLM-5's second layer
-    # shares the first's picks and has no indexer weights
-    "deepseek_v32": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
-                         moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
-                         num_hidden_layers=2, n_routed_experts=4, n_group=2, topk_group=1,
-                         first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.5,
-                         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                         v_head_dim=6, index_n_heads=2, index_head_dim=8, index_topk=8),
-    "glm_moe_dsa": dict(vocab_size=24, hidden_size=16, num_attention_heads=2,
-                        moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
-                        num_hidden_layers=2, n_routed_experts=4, n_shared_experts=1,
-                        mlp_layer_types=["sparse", "dense"], routed_scaling_factor=1.8,
-                        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                        v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=8,
-                        index_topk_pattern="FS"),
     # K-EXAONE: layer 0 sliding (window 1: the token alone) with RoPE and dense, layer 1 full
     # without RoPE and routed (4 experts in 2 groups) + shared expert
     "exaone_moe": dict(TINY, head_dim=8, num_experts=4, n_group=2, topk_group=1, sliding_window=1,
@@ -112,7 +95,7 @@ SIM_CASES = {
 }
 DECODERS = {"deepseek_v3": "GpuMlaDecoder", "deepseek_v2": "GpuMlaDecoder",
             "glm4_moe_lite": "GpuMlaDecoder", "kimi_k25": "GpuMlaDecoder",
-            "deepseek_v32": "GpuMlaDecoder", "glm_moe_dsa": "GpuMlaDecoder",
+            "deepseek_v32": "GpuDsaDecoder", "glm_moe_dsa": "GpuDsaDecoder",   # tests/test_dsa_cuda.py
             "step3p5": "GpuStepDecoder", "step3p7": "GpuStepDecoder",   # tests/test_step3p5.py
             "cohere2_moe": "GpuCohereDecoder",   # tests/test_cohere2_moe.py
             "minimax_m3_vl": "GpuM3Decoder",     # tests/test_minimax_m3.py
@@ -157,9 +140,6 @@ def test_simulator_decoder(tmp_path, family):
     ("deepseek_v2", dict(n_routed_experts=16, num_experts_per_tok=3, topk_method="group_limited_greedy",
                          n_group=4, topk_group=2, routed_scaling_factor=16.0)),
     ("glm4_moe_lite", dict(num_attention_heads=20, mlp_layer_types=["dense", "sparse", "sparse"])),
-    # context capped at index_topk (64 here: the 37 tokens fit), where DSA is dense MLA
-    ("deepseek_v32", dict(index_topk=64)),
-    ("glm_moe_dsa", dict(index_topk=64)),
     ("exaone_moe", {}),
     ("exaone_moe", dict(layer_types=["full_attention", "sliding_attention", "full_attention"],
                         num_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3)),

@@ -2,7 +2,8 @@
 pairs and its top-k shared across layers. A tiny random model (tests/conftest.py: layers 0 and 2
 run an indexer, layer 1 reads layer 0's picks) against transformers; prefill against token by
 token decode; the prefix cache; which layers' indexer keys are cached; how indexer_types is
-derived from config.json and what is refused; on cuda, the context capped at index_topk."""
+derived from config.json and what is refused; on cuda, the context not capped at index_topk
+(the cuda decoder's checks: tests/test_dsa_cuda.py)."""
 from __future__ import annotations
 
 import json
@@ -192,17 +193,17 @@ def test_config_refused(fields, says):
         family_of({**GLM5, **fields})
 
 
-def test_cuda_context_capped(monkeypatch, capfd):
-    """On cuda GLM-5 runs as dense MLA, its context capped at index_topk (where every position
-    is picked); a family the cuda backend lacks is still refused there by name."""
+def test_cuda_context_not_capped(monkeypatch, capfd):
+    """On cuda GLM-5 runs its indexer and sparse attention on the device (engine/gpu_dsa.py):
+    the context is the config's or --max-context, not capped at index_topk; a family the cuda
+    backend lacks is still refused there by name."""
     from engine import runtime
     monkeypatch.setattr(runtime, "cuda_status", lambda: (True, ""))
     assert runtime.pick_device("cuda", "glm_moe_dsa") == "cuda"
     c = family_of(GLM5).config
-    assert runtime.context_length(c, "cuda", None) == 2048
-    assert "glm_moe_dsa on cuda: context capped at index_topk=2048" in capfd.readouterr().err
-    with pytest.raises(ValueError, match="--max-context 2049: the cuda backend runs glm_moe_dsa's"):
-        runtime.context_length(c, "cuda", 2049)
+    assert runtime.context_length(c, "cuda", None) == 4096
+    assert runtime.context_length(c, "cuda", 100000) == 100000
+    assert "capped" not in capfd.readouterr().err
     with pytest.raises(RuntimeError, match="--device cuda: the cuda backend does not run grok yet"):
         runtime.pick_device("cuda", "grok")
     assert runtime.pick_device("auto", "grok") == "cpu"

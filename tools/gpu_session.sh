@@ -208,9 +208,10 @@ print(re.search(r'(\d+) blocks', max(rows, key=lambda r: r['gbps'])['what']).gro
                  --ram-gb 32 --warm-ram $r --tokens 64 --prompt-len 512 --out "$OUT/$3_g$1.json" 2>&1 | grep -v -i warn | tail -5 \
                  >> "$OUT/bench.txt"
          done ;;
-    dsa) # DeepSeek-V3.2 / GLM-5 on cuda (dense MLA, context capped at index_topk; 2026-12-07,
-         # not yet run): their parity cases beside the MLA kernels' tests
-         run dsa tests/test_families_cuda.py -k "deepseek_v32 or glm_moe_dsa" &
+    dsa) # DeepSeek-V3.2 / GLM-5 on cuda with the indexer on the device (engine/gpu_dsa.py; not
+         # yet run): the DSA kernels, parity past index_topk and graph replay, beside the MLA
+         # kernels' tests (their attention takes the picks now)
+         run dsa tests/test_dsa_cuda.py &
          run mla tests/test_mla_cuda.py & wait ;;
     s27) # the never-run families on cuda (2026-12-07): Step-3.5 (tests/test_step3p5.py, and the
          # limited SwiGLU experts' kernels), Cohere's MoE (tests/test_cohere2_moe.py, the

@@ -67,9 +67,9 @@ def main() -> int:
             rc |= build(f"absorb_o_{kind}", gml._ABSORB_O[bf],
                         (arr(f32, 3), arr(c, 2), i32, arr(f32, 3)), out)
             rc |= build(f"partial_{kind}", gml.partial_kernel(bf, gml.GH, 576, 512),
-                        (arr(f32, 3), arr(c, 3), arr(i32, 1), f32, i32, i32, i32, arr(f32, 2),
+                        (arr(f32, 3), arr(c, 3), arr(i32, 1), arr(i32, 2), f32, i32, i32, i32, arr(f32, 2),
                          arr(f32, 2), arr(f32, 3)), out)
-        csig = (arr(f32, 3), arr(f32, 3), arr(i32, 1), f32, i32, i32, i32, arr(f32, 2),
+        csig = (arr(f32, 3), arr(f32, 3), arr(i32, 1), arr(i32, 2), f32, i32, i32, i32, arr(f32, 2),
                 arr(f32, 2), arr(f32, 3))
         for g in (gml.GH, 7):
             rc |= build(f"staged_g{g}", gml.staged_kernel(g, 576, 512), csig, out)

@@ -5,9 +5,9 @@ only the index_topk best; the indexer's keys (one index_head_dim row a position 
 cached beside the latent rows. Up to index_topk positions the selection is every position: dense
 MLA. The indexer's RoPE rotates the first qk_rope_head_dim dims in halves (the attention's comes
 in interleaved pairs; GLM-5's indexer takes the attention's, engine/models/glm_moe_dsa.py, and
-runs in some layers only, the others reading what it picked). CPU backend; the cuda backend runs
-these families as dense MLA with the context capped at index_topk, where the two are the same
-(engine/runtime.py dsa_context)."""
+runs in some layers only, the others reading what it picked). Of scores equal at the
+index_topk-th, the earliest positions are picked (top_positions). The cuda backend runs the same
+indexer and picks on the device: engine/gpu_dsa.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +19,9 @@ from engine.models.base import IndexKeys, need
 from engine.models.deepseek_v3 import DeepseekV3Config, DeepseekV3Decoder, MlaState, expert_spec  # noqa: F401
 from engine.models.rope import ConfigError, pairs_to_halves
 from engine.names import name
+
+INDEX_KEY_EPS = 1e-6   # the indexer key's LayerNorm (transformers' k_norm)
+
 
 @dataclass(frozen=True)
 class DeepseekV32Config(DeepseekV3Config):
@@ -47,7 +50,7 @@ class DeepseekV32Config(DeepseekV3Config):
 
 
 def indexer_spec(c: DeepseekV32Config) -> dict[str, tuple]:
-    """The indexer's weights, a layer that runs one (the cuda backend leaves them on the host)."""
+    """The indexer's weights, a layer that runs one."""
     f, hd, spec = c.family, c.index_head_dim, {}
     for l in c.index_layers:
         spec[name(f, "idx_wq_b", l)] = (c.index_n_heads * hd, c.q_lora_rank)
@@ -112,7 +115,7 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
         k = ops.linear(h, w("idx_wk", l))                                   # [T, D]
         mu = k.mean(-1, keepdims=True)
         var = ((k - mu) ** 2).mean(-1, keepdims=True)
-        k = ((k - mu) / np.sqrt(var + np.float32(1e-6)) * w("idx_k_norm", l)
+        k = ((k - mu) / np.sqrt(var + np.float32(INDEX_KEY_EPS)) * w("idx_k_norm", l)
              + w("idx_k_norm_bias", l)).astype(np.float32)[:, None]        # LayerNorm, [T, 1, D]
         rotates = l not in c.nope_layers   # (Mistral Large 4's NoPE layers: neither q nor k)
         if self.index_cols is not None:
@@ -138,14 +141,23 @@ class DeepseekV32Decoder(DeepseekV3Decoder):
             if n <= c.index_topk:
                 picked.append(np.arange(n))
             else:
-                top = np.argpartition(-score[i, :n], c.index_topk - 1)[:c.index_topk]
-                picked.append(np.sort(top))
+                picked.append(top_positions(score[i, :n], c.index_topk))
         return picked
 
     def index_query(self, l: int, h, qr, pos: np.ndarray):
         """The indexer's queries [T, Hi, D] before RoPE: from the normed low-rank query qr."""
         c = self.c
         return self.ops.linear(qr, self.w("idx_wq_b", l)).reshape(h.shape[0], c.index_n_heads, c.index_head_dim)
+
+
+def top_positions(score: np.ndarray, k: int) -> np.ndarray:
+    """The k positions of the highest scores, ascending; of scores equal at the k-th (relu'd
+    sums tie at 0 often) the earliest positions, so the cuda backend's select
+    (kernels_numba/gpu_dsa.py) picks the same. score float32 [n], n > k."""
+    kth = np.partition(score, score.size - k)[score.size - k]     # the k-th highest
+    above = np.flatnonzero(score > kth)
+    ties = np.flatnonzero(score == kth)[:k - above.size]
+    return np.sort(np.concatenate([above, ties]))
 
 
 Model = DeepseekV32Decoder
