@@ -37,14 +37,7 @@ from numba import cuda  # noqa: E402
 
 from kernels_numba import reference as ref  # noqa: E402
 from kernels_numba.gpu_util import SIM  # noqa: E402
-
-
-def _close(got, exp, tol, what):
-    got, exp = np.asarray(got, np.float64), np.asarray(exp, np.float64)
-    assert np.all(np.isfinite(got)), f"{what}: non-finite output (poison left?)"
-    err = np.abs(got - exp).max() / max(np.abs(exp).max(), 1e-30)
-    assert err <= tol, f"{what}: max error {err:.3g} of max |ref| exceeds {tol}"
-    return err
+from test_gpu_hybrid import _close  # noqa: E402  (relative error against an oracle, poison checked)
 
 
 def check_index_prep(rng, t, hi, d, r, s_max):

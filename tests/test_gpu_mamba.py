@@ -35,24 +35,7 @@ from numba import cuda  # noqa: E402
 from kernels_numba import reference as ref  # noqa: E402
 from kernels_numba.gpu_util import SIM  # noqa: E402
 
-TOL = 1e-5
-
-
-def _close(got, exp, tol=TOL, what=""):
-    got = np.asarray(got, dtype=np.float64)
-    exp = np.asarray(exp, dtype=np.float64)
-    assert np.all(np.isfinite(got)), f"{what}: non-finite output (poison left?)"
-    err = np.abs(got - exp).max() / max(np.abs(exp).max(), 1e-30)
-    assert err <= tol, f"{what}: max error {err:.3g} of max |ref| exceeds {tol}"
-    return err
-
-
-def _nan(shape):
-    return cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
-
-
-def _rnd(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
+from test_gpu_hybrid import _close, _nan, _rnd  # noqa: E402  (the kernel checks' helpers)
 
 
 # ---- kernel checks (shared by the simulator run and the GPU tests) ---------------------------
